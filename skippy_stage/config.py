@@ -1,0 +1,284 @@
+"""Stage configuration: one frozen object that travels from the CLI to every component.
+
+Field names follow the Rust seed (skippy-server's StageConfig) so configs stay portable.
+Validation happens once, here, and every message names the stage, the field and the
+value: the reader is usually an operator looking at a crash-looping pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skippy_stage.errors import ConfigError
+
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+FLASH_ATTN_TYPES = ("auto", "disabled", "enabled")
+LOAD_MODES = ("runtime-slice", "artifact-slice", "layer-package")
+SPLIT_MODES = ("none", "layer", "row")
+WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
+# llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences (lanes) than this.
+MAX_LANES = 256
+
+_ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A host:port pair; IPv6 hosts are written in brackets."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_endpoint(text: object, *, stage_id: str, field_name: str, allow_port_zero: bool = False) -> Endpoint:
+    """Parse ``host:port``; port 0 is allowed only for a bind address (ask the OS)."""
+    if not isinstance(text, str):
+        raise ConfigError(f"stage {stage_id}: {field_name} must be a host:port string, got {text!r}")
+    match = _ENDPOINT.match(text)
+    if match is None:
+        raise ConfigError(f"stage {stage_id}: {field_name} must be host:port, got {text!r}")
+    port = int(match["port"])
+    if not (0 if allow_port_zero else 1) <= port <= 65535:
+        raise ConfigError(f"stage {stage_id}: {field_name} has port {port} out of range in {text!r}")
+    return Endpoint(host=match["v6"] or match["host"], port=port)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """A neighbouring stage: who it is and where it listens."""
+
+    stage_id: str
+    stage_index: int
+    endpoint: str
+
+    @property
+    def address(self) -> Endpoint:
+        return parse_endpoint(self.endpoint, stage_id=self.stage_id, field_name="endpoint")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Everything one stage process needs. Build it with :func:`load_config` or :meth:`from_dict`."""
+
+    model_path: str
+    stage_id: str
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    run_id: str = "local"
+    topology_id: str = "local"
+    model_id: str = ""
+    ctx_size: int = 2048
+    lane_count: int = 4
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    n_threads_batch: int | None = None
+    n_gpu_layers: int = 0
+    mmap: bool = True
+    mlock: bool = False
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    # llama-cpp-python's Llama() runs without flash attention; matching it keeps the
+    # unsplit-equivalence contract exact ("auto" picks other kernels on CPU).
+    flash_attn_type: str = "disabled"
+    kv_offload: bool = True
+    kv_unified: bool = False
+    swa_full: bool = False
+    cache_idle_slots: int | None = None
+    split_mode: str = "layer"
+    main_gpu: int = 0
+    selected_device: str | None = None
+    load_mode: str = "runtime-slice"
+    bind_addr: str = "127.0.0.1:0"
+    upstream: PeerConfig | None = None
+    downstream: PeerConfig | None = None
+    cache_dir: str | None = None
+    wire_dtype: str = "f32"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def include_embeddings(self) -> bool:
+        """Stage 0 turns token ids into embeddings; no other stage does."""
+        return self.layer_start == 0
+
+    @property
+    def include_output(self) -> bool:
+        """The stage with nobody below it applies the output head."""
+        return self.downstream is None
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def threads_batch(self) -> int:
+        return self.n_threads if self.n_threads_batch is None else self.n_threads_batch
+
+    def check_block_count(self, block_count: int) -> None:
+        """Refuse a layer range that does not fit the model actually loaded."""
+        if self.layer_end > block_count:
+            raise ConfigError(
+                f"stage {self.stage_id}: layer_end={self.layer_end} is beyond the model's "
+                f"block count {block_count} (layer range {self.layer_start}:{self.layer_end})"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"stage config must be a JSON object, got {type(data).__name__}")
+        stage_id = str(data.get("stage_id", "<unnamed>"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"stage {stage_id}: unknown config key(s) {', '.join(unknown)}")
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data
+        ]
+        if missing:
+            raise ConfigError(f"stage {stage_id}: missing required config key(s) {', '.join(missing)}")
+        values = dict(data)
+        for side in ("upstream", "downstream"):
+            if values.get(side) is not None:
+                values[side] = _peer(values[side], stage_id=stage_id, side=side)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> StageConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def load_config(path: str | os.PathLike[str]) -> StageConfig:
+    """Read a StageConfig from a JSON file; errors name the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read stage config {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"stage config {path} is not valid JSON: {exc}") from exc
+    return StageConfig.from_dict(data)
+
+
+def _peer(raw: object, *, stage_id: str, side: str) -> PeerConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"stage {stage_id}: {side} must be an object with stage_id, stage_index, endpoint, got {raw!r}")
+    expected = {"stage_id", "stage_index", "endpoint"}
+    if set(raw) != expected:
+        raise ConfigError(
+            f"stage {stage_id}: {side} must have exactly the keys stage_id, stage_index, endpoint, got {sorted(raw)}"
+        )
+    return PeerConfig(**raw)
+
+
+def _fail(cfg: StageConfig, field_name: str, value: object, why: str) -> ConfigError:
+    return ConfigError(f"stage {cfg.stage_id}: {field_name}={value!r} {why}")
+
+
+def _require_int(cfg: StageConfig, name: str, minimum: int, *, optional: bool = False) -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(cfg, name, value, "must be an integer")
+    if value < minimum:
+        raise _fail(cfg, name, value, f"must be >= {minimum}")
+
+
+def _require_bool(cfg: StageConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        raise _fail(cfg, name, value, "must be true or false")
+
+
+def _require_str(cfg: StageConfig, name: str, *, optional: bool = False, choices: tuple[str, ...] = ()) -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    if not isinstance(value, str):
+        raise _fail(cfg, name, value, "must be a string")
+    if choices and value not in choices:
+        raise _fail(cfg, name, value, f"must be one of {', '.join(choices)}")
+
+
+def _validate(cfg: StageConfig) -> None:
+    if not isinstance(cfg.stage_id, str) or not cfg.stage_id:
+        raise ConfigError(f"stage_id must be a non-empty string, got {cfg.stage_id!r}")
+    for name in ("model_path", "run_id", "topology_id", "model_id"):
+        _require_str(cfg, name)
+    if not cfg.model_path:
+        raise _fail(cfg, "model_path", cfg.model_path, "must name a GGUF file")
+    for name in ("stage_index", "layer_start", "main_gpu"):
+        _require_int(cfg, name, 0)
+    _require_int(cfg, "n_gpu_layers", -1)  # -1: offload every layer
+    _require_int(cfg, "layer_end", 1)
+    if cfg.layer_end <= cfg.layer_start:
+        raise ConfigError(
+            f"stage {cfg.stage_id}: layer range {cfg.layer_start}:{cfg.layer_end} is empty "
+            f"(layer_end={cfg.layer_end} must be > layer_start={cfg.layer_start})"
+        )
+    for name in ("ctx_size", "lane_count", "n_batch", "n_ubatch", "n_threads"):
+        _require_int(cfg, name, 1)
+    _require_int(cfg, "n_threads_batch", 1, optional=True)
+    _require_int(cfg, "cache_idle_slots", 0, optional=True)
+    if cfg.n_ubatch > cfg.n_batch:
+        raise _fail(cfg, "n_ubatch", cfg.n_ubatch, f"must be <= n_batch={cfg.n_batch}")
+    if cfg.lane_count > MAX_LANES:
+        raise _fail(cfg, "lane_count", cfg.lane_count, f"must be <= {MAX_LANES} (llama.cpp's sequence limit)")
+    if cfg.lane_count > cfg.n_ubatch:
+        # llama.cpp's equal split cannot place more sequences than n_ubatch in one micro-batch.
+        raise _fail(cfg, "lane_count", cfg.lane_count, f"must be <= n_ubatch={cfg.n_ubatch}")
+    if not cfg.kv_unified and cfg.ctx_size < cfg.lane_count:
+        raise _fail(cfg, "ctx_size", cfg.ctx_size, f"leaves no KV cells per lane for lane_count={cfg.lane_count}")
+    if cfg.cache_idle_slots is not None and cfg.cache_idle_slots > cfg.lane_count:
+        raise _fail(cfg, "cache_idle_slots", cfg.cache_idle_slots, f"must be <= lane_count={cfg.lane_count}")
+    for name in ("mmap", "mlock", "kv_offload", "kv_unified", "swa_full"):
+        _require_bool(cfg, name)
+    for name in ("cache_type_k", "cache_type_v"):
+        value = getattr(cfg, name)
+        if value not in CACHE_TYPES:
+            raise ConfigError(
+                f"parse {name} for {cfg.stage_id}: {value!r} is not one of {', '.join(CACHE_TYPES)}"
+            )
+    _require_str(cfg, "flash_attn_type", choices=FLASH_ATTN_TYPES)
+    if cfg.cache_type_v not in ("f32", "f16", "bf16") and cfg.flash_attn_type == "disabled":
+        raise _fail(cfg, "cache_type_v", cfg.cache_type_v, "is quantized, which llama.cpp allows only with flash attention")
+    _require_str(cfg, "split_mode", choices=SPLIT_MODES)
+    _require_str(cfg, "selected_device", optional=True)
+    _require_str(cfg, "cache_dir", optional=True)
+    _require_str(cfg, "wire_dtype", choices=WIRE_DTYPES)
+    _require_str(cfg, "load_mode", choices=LOAD_MODES)
+    if cfg.load_mode == "layer-package":
+        raise _fail(cfg, "load_mode", cfg.load_mode, "is refused: layer-package schema v1 is offline-only")
+    parse_endpoint(cfg.bind_addr, stage_id=cfg.stage_id, field_name="bind_addr", allow_port_zero=True)
+    for side, offset in (("upstream", -1), ("downstream", 1)):
+        peer = getattr(cfg, side)
+        if peer is None:
+            continue
+        if not isinstance(peer, PeerConfig):
+            raise _fail(cfg, side, peer, "must be an object with stage_id, stage_index, endpoint")
+        if not isinstance(peer.stage_id, str) or not peer.stage_id:
+            raise _fail(cfg, f"{side}.stage_id", peer.stage_id, "must be a non-empty string")
+        if not isinstance(peer.stage_index, int) or isinstance(peer.stage_index, bool):
+            raise _fail(cfg, f"{side}.stage_index", peer.stage_index, "must be an integer")
+        if peer.stage_index != cfg.stage_index + offset:
+            raise _fail(
+                cfg, f"{side}.stage_index", peer.stage_index, f"must be {cfg.stage_index + offset} (stage_index{offset:+d})"
+            )
+        parse_endpoint(peer.endpoint, stage_id=cfg.stage_id, field_name=f"{side}.endpoint")
+    if cfg.layer_start == 0 and cfg.upstream is not None:
+        raise _fail(cfg, "upstream", cfg.upstream.stage_id, "must be unset for the head stage (layer_start=0)")

@@ -1,0 +1,70 @@
+"""The exception tree of skippy-stage, and nothing else.
+
+Errors are raised where they are detected, as one of these types; the gRPC edge maps
+them to status codes in exactly one place (``service.status_for``), so a newcomer can
+read here what a client may see::
+
+    SkippyError
+    ├── ConfigError               bad stage config               -> (start-up failure)
+    ├── UnsupportedModelError     architecture not proven        -> FAILED_PRECONDITION
+    ├── SliceError                a GGUF could not be sliced     -> (start-up failure)
+    ├── InvalidRequestError       a client field is wrong        -> INVALID_ARGUMENT
+    ├── SessionStateError         request out of session order   -> FAILED_PRECONDITION
+    ├── UnknownSessionError       session not on this stage      -> NOT_FOUND
+    ├── CapacityError             no lane or KV cells left       -> RESOURCE_EXHAUSTED
+    ├── DownstreamError           the next stage failed          -> UNAVAILABLE (names it)
+    └── RuntimeFailure            llama.cpp refused a valid call -> INTERNAL
+
+Every message names the field (or resource) and the offending value, because the
+person reading it is usually an operator with only the log line in front of them.
+"""
+
+from __future__ import annotations
+
+
+class SkippyError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class ConfigError(SkippyError):
+    """A stage config is malformed; the message names stage_id, field and value."""
+
+
+class UnsupportedModelError(SkippyError):
+    """The model's architecture (or shape) has no equivalence proof, so it is refused."""
+
+
+class SliceError(SkippyError):
+    """A stage file could not be written or read back."""
+
+
+class InvalidRequestError(SkippyError):
+    """A client-supplied field is invalid; nothing reached llama.cpp."""
+
+
+class SessionStateError(SkippyError):
+    """A request is well-formed but does not fit the session's current state."""
+
+
+class UnknownSessionError(SkippyError):
+    """The session id is not bound to a lane on this stage."""
+
+
+class CapacityError(SkippyError):
+    """No lane or KV cells are left for the request; retrying later may succeed."""
+
+
+class DownstreamError(SkippyError):
+    """The downstream stage failed or could not be reached.
+
+    ``stage_id`` names the stage that failed so the head can report which hop broke.
+    """
+
+    def __init__(self, message: str, stage_id: str, code_name: str = "UNAVAILABLE") -> None:
+        super().__init__(message)
+        self.stage_id = stage_id
+        self.code_name = code_name
+
+
+class RuntimeFailure(SkippyError):
+    """llama.cpp rejected a call that passed validation; the stage keeps serving."""
