@@ -1,0 +1,304 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_PREFILL: _ClassVar[Phase]
+    PHASE_DECODE: _ClassVar[Phase]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_F32: _ClassVar[DType]
+    DTYPE_F16: _ClassVar[DType]
+    DTYPE_BF16: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+
+class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYOUT_UNSPECIFIED: _ClassVar[Layout]
+    LAYOUT_TOKEN_MAJOR: _ClassVar[Layout]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+PHASE_UNSPECIFIED: Phase
+PHASE_PREFILL: Phase
+PHASE_DECODE: Phase
+DTYPE_UNSPECIFIED: DType
+DTYPE_F32: DType
+DTYPE_F16: DType
+DTYPE_BF16: DType
+DTYPE_INT8: DType
+LAYOUT_UNSPECIFIED: Layout
+LAYOUT_TOKEN_MAJOR: Layout
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class BatchEntry(_message.Message):
+    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_LAST_FIELD_NUMBER: _ClassVar[int]
+    WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    phase: Phase
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_last: bool
+    want_logits: bool
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class FrameDescriptor(_message.Message):
+    __slots__ = ("version", "dtype", "layout", "producer_stage_index", "layer_start", "layer_end", "token_count", "sequence_count", "payload_bytes", "flags", "width")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    dtype: DType
+    layout: Layout
+    producer_stage_index: int
+    layer_start: int
+    layer_end: int
+    token_count: int
+    sequence_count: int
+    payload_bytes: int
+    flags: int
+    width: int
+    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., producer_stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_count: _Optional[int] = ..., sequence_count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., flags: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+
+class ActivationFrame(_message.Message):
+    __slots__ = ("descriptor", "payload")
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    descriptor: FrameDescriptor
+    payload: bytes
+    def __init__(self, descriptor: _Optional[_Union[FrameDescriptor, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class IterationBatchRequest(_message.Message):
+    __slots__ = ("request_id", "entries", "frame")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    entries: _containers.RepeatedCompositeFieldContainer[BatchEntry]
+    frame: ActivationFrame
+    def __init__(self, request_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., frame: _Optional[_Union[ActivationFrame, _Mapping]] = ...) -> None: ...
+
+class EntryOutput(_message.Message):
+    __slots__ = ("session_id", "has_token", "token", "logits")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    has_token: bool
+    token: int
+    logits: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class IterationBatchResponse(_message.Message):
+    __slots__ = ("outputs", "final_stage_id")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[EntryOutput]
+    final_stage_id: str
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EntryOutput, _Mapping]]] = ..., final_stage_id: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "position", "token_id", "sampling", "want_logits")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    position: int
+    token_id: int
+    sampling: SamplingParams
+    want_logits: bool
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token", "logits")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logits: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DropSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class StageDrop(_message.Message):
+    __slots__ = ("stage_id", "found", "reset_ms")
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    RESET_MS_FIELD_NUMBER: _ClassVar[int]
+    stage_id: str
+    found: bool
+    reset_ms: float
+    def __init__(self, stage_id: _Optional[str] = ..., found: _Optional[bool] = ..., reset_ms: _Optional[float] = ...) -> None: ...
+
+class DropSessionResponse(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageDrop]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageDrop, _Mapping]]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LaneRow(_message.Message):
+    __slots__ = ("lane", "state", "session_id", "tokens")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    lane: int
+    state: str
+    session_id: str
+    tokens: int
+    def __init__(self, lane: _Optional[int] = ..., state: _Optional[str] = ..., session_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("stage_id", "stage_index", "run_id", "topology_id", "model_id", "architecture", "layer_start", "layer_end", "include_embeddings", "include_output", "n_embd", "state", "lane_count", "active_sessions", "idle_lanes", "free_lanes", "max_session_tokens", "total_session_tokens", "kv_pool_tokens", "kv_cells_per_lane", "discarded_lanes", "lanes", "downstream_stage_id", "downstream_endpoint", "downstream_ok", "downstream_error", "wire_dtype")
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    N_EMBD_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LANE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_LANES_FIELD_NUMBER: _ClassVar[int]
+    FREE_LANES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CELLS_PER_LANE_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_LANES_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_OK_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_ERROR_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    stage_id: str
+    stage_index: int
+    run_id: str
+    topology_id: str
+    model_id: str
+    architecture: str
+    layer_start: int
+    layer_end: int
+    include_embeddings: bool
+    include_output: bool
+    n_embd: int
+    state: str
+    lane_count: int
+    active_sessions: int
+    idle_lanes: int
+    free_lanes: int
+    max_session_tokens: int
+    total_session_tokens: int
+    kv_pool_tokens: int
+    kv_cells_per_lane: int
+    discarded_lanes: int
+    lanes: _containers.RepeatedCompositeFieldContainer[LaneRow]
+    downstream_stage_id: str
+    downstream_endpoint: str
+    downstream_ok: bool
+    downstream_error: str
+    wire_dtype: str
+    def __init__(self, stage_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., run_id: _Optional[str] = ..., topology_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., include_embeddings: _Optional[bool] = ..., include_output: _Optional[bool] = ..., n_embd: _Optional[int] = ..., state: _Optional[str] = ..., lane_count: _Optional[int] = ..., active_sessions: _Optional[int] = ..., idle_lanes: _Optional[int] = ..., free_lanes: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., total_session_tokens: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_cells_per_lane: _Optional[int] = ..., discarded_lanes: _Optional[int] = ..., lanes: _Optional[_Iterable[_Union[LaneRow, _Mapping]]] = ..., downstream_stage_id: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., downstream_ok: _Optional[bool] = ..., downstream_error: _Optional[str] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    done: bool
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    session_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
