@@ -104,6 +104,8 @@ class StageConfig:
     downstream: PeerConfig | None = None
     cache_dir: str | None = None
     wire_dtype: str = "f32"
+    # Largest gRPC message this stage sends or accepts; larger ones get RESOURCE_EXHAUSTED.
+    max_message_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -169,6 +171,8 @@ def load_config(path: str | os.PathLike[str]) -> StageConfig:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read stage config {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"stage config {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(f"stage config {path} is not valid JSON: {exc}") from exc
     return StageConfig.from_dict(data)
@@ -234,6 +238,7 @@ def _validate(cfg: StageConfig) -> None:
     for name in ("ctx_size", "lane_count", "n_batch", "n_ubatch", "n_threads"):
         _require_int(cfg, name, 1)
     _require_int(cfg, "n_threads_batch", 1, optional=True)
+    _require_int(cfg, "max_message_bytes", 1024)
     _require_int(cfg, "cache_idle_slots", 0, optional=True)
     if cfg.n_ubatch > cfg.n_batch:
         raise _fail(cfg, "n_ubatch", cfg.n_ubatch, f"must be <= n_batch={cfg.n_batch}")

@@ -145,6 +145,10 @@ class LaneTable:
         Returns the lane of every session and the sessions this call bound anew (the
         caller releases those with :meth:`release` if the batch then fails).
         """
+        names = [a.session_id for a in admissions]
+        if len(set(names)) != len(names):
+            duplicate = next(n for n in names if names.count(n) > 1)
+            raise SessionStateError(f"session_id={duplicate!r} appears twice in one batch")
         with self._lock:
             new: list[Admission] = []
             total_new = 0

@@ -135,7 +135,6 @@ def test_invalid_json_is_refused_naming_the_file(tmp_path: Path) -> None:
         load_config(path)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: load_config lets UnicodeDecodeError escape instead of ConfigError")
 def test_non_utf8_file_is_refused_with_config_error(tmp_path: Path) -> None:
     path = tmp_path / "binary.json"
     path.write_bytes(b"\xff\xfe{")

@@ -1,0 +1,5 @@
+import sys
+
+from skippy_stage.cli import main
+
+sys.exit(main())

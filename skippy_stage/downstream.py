@@ -1,0 +1,121 @@
+"""The client side of one hop: this stage's long-lived channel to the stage below it.
+
+Every call carries a deadline (the caller's remaining time, capped by the hop timeout),
+and every failure becomes a DownstreamError that names the stage which failed: the one
+below us, or a deeper one that it named in its own error (trailing metadata
+``skippy-failed-stage``). gRPC errors are translated here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from skippy_stage.config import PeerConfig
+from skippy_stage.errors import DownstreamError
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+FAILED_STAGE_KEY = "skippy-failed-stage"
+# Codes a downstream returns about the *request* (relayed as they are); anything else
+# means the downstream itself is in trouble and becomes UNAVAILABLE.
+_RELAYED_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: "INVALID_ARGUMENT",
+    grpc.StatusCode.FAILED_PRECONDITION: "FAILED_PRECONDITION",
+    grpc.StatusCode.NOT_FOUND: "NOT_FOUND",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
+    grpc.StatusCode.CANCELLED: "CANCELLED",
+}
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Keepalive so a dead peer is noticed between requests, and the stage's size limit."""
+    return [
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Reconnect quickly once a restarted peer is back.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+
+
+@dataclass(frozen=True)
+class HealthProbe:
+    ok: bool
+    detail: str
+
+
+class DownstreamClient:
+    """One channel to the next stage, shared by every request thread."""
+
+    def __init__(self, peer: PeerConfig, *, max_message_bytes: int, hop_timeout_s: float) -> None:
+        self.peer = peer
+        self.hop_timeout_s = hop_timeout_s
+        self._channel = grpc.insecure_channel(peer.endpoint, options=channel_options(max_message_bytes))
+        self._stub = pb_grpc.StageServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _timeout(self, remaining: float | None) -> float:
+        return self.hop_timeout_s if remaining is None else max(0.001, min(remaining, self.hop_timeout_s))
+
+    def _translate(self, err: grpc.RpcError) -> DownstreamError:
+        code = err.code()
+        details = err.details() or ""
+        failed = None
+        for key, value in err.trailing_metadata() or ():
+            if key == FAILED_STAGE_KEY:
+                failed = value
+        if failed is not None:
+            return DownstreamError(details, stage_id=failed, code_name=_RELAYED_CODES.get(code, "UNAVAILABLE"))
+        if code in _RELAYED_CODES and code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return DownstreamError(f"stage {self.peer.stage_id}: {details}", stage_id=self.peer.stage_id,
+                                   code_name=_RELAYED_CODES[code])
+        return DownstreamError(
+            f"stage {self.peer.stage_id} at {self.peer.endpoint} failed: {code.name}: {details}",
+            stage_id=self.peer.stage_id,
+            code_name="DEADLINE_EXCEEDED" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "UNAVAILABLE",
+        )
+
+    def forward(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
+        try:
+            return self._stub.ActivationFrame(request, timeout=self._timeout(remaining))
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+
+    def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
+        try:
+            return self._stub.DropSession(pb.DropSessionRequest(session_id=session_id), timeout=self._timeout(remaining))
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+
+    def status(self, timeout_s: float) -> pb.StageStatus:
+        try:
+            return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+
+    def probe_health(self, timeout_s: float) -> HealthProbe:
+        """Ask the downstream's standard health service; SERVING means its whole chain is."""
+        try:
+            resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError as err:
+            return HealthProbe(False, f"stage {self.peer.stage_id} at {self.peer.endpoint}: {err.code().name}")
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return HealthProbe(False, f"stage {self.peer.stage_id} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
+        return HealthProbe(True, "")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._channel.close()

@@ -1,0 +1,245 @@
+"""The gRPC surface of a stage: a thin servicer, the one error-to-status map, the server.
+
+Handlers parse, call the Stage (or the head's Generator) and serialise; they never call
+llama.cpp. Every SkippyError becomes a status code in :func:`status_for` — the only
+place that knows the mapping — and a DownstreamError also names the failed stage in the
+trailing metadata ``skippy-failed-stage`` so upstream stages relay it unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from skippy_stage.config import StageConfig
+from skippy_stage.downstream import FAILED_STAGE_KEY
+from skippy_stage.errors import (
+    CapacityError,
+    ConfigError,
+    DownstreamError,
+    InvalidRequestError,
+    RuntimeFailure,
+    SessionStateError,
+    SkippyError,
+    UnknownSessionError,
+    UnsupportedModelError,
+)
+from skippy_stage.head import Finish, Generator
+from skippy_stage.messages import generate_spec_from_pb, sampling_to_pb
+from skippy_stage.stage import Stage, StageState, Timeouts
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("skippy_stage.service")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StageService"].full_name
+_CODES: tuple[tuple[type[SkippyError], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (SessionStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RuntimeFailure, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_for(exc: SkippyError) -> tuple[grpc.StatusCode, str]:
+    """The one mapping from domain errors to gRPC status codes."""
+    if isinstance(exc, DownstreamError):
+        return getattr(grpc.StatusCode, exc.code_name, grpc.StatusCode.UNAVAILABLE), str(exc)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, str(exc)
+
+
+def _abort(context: grpc.ServicerContext, exc: SkippyError) -> None:
+    code, message = status_for(exc)
+    if isinstance(exc, DownstreamError):
+        context.set_trailing_metadata(((FAILED_STAGE_KEY, exc.stage_id),))
+    context.abort(code, message)
+
+
+def _unary(handler: Callable) -> Callable:
+    @functools.wraps(handler)
+    def wrapper(self: StageServicer, request, context):  # noqa: ANN001
+        try:
+            return handler(self, request, context)
+        except SkippyError as exc:
+            _abort(context, exc)
+    return wrapper
+
+
+class StageServicer(pb_grpc.StageServiceServicer):
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self._generator: Generator | None = None
+        self._generator_lock = threading.Lock()
+
+    def _head(self) -> Generator:
+        with self._generator_lock:
+            if self._generator is None:
+                self.stage.require_runtime()
+                self._generator = Generator(self.stage)
+            return self._generator
+
+    def _require_head(self, rpc: str) -> None:
+        if not self.stage.config.include_embeddings:
+            raise SessionStateError(f"{rpc} is served by the head stage only; {self.stage.config.stage_id} has "
+                                    f"layer_start={self.stage.config.layer_start}")
+
+    @_unary
+    def IterationBatch(self, request, context):  # noqa: N802
+        return self.stage.process(request, context.time_remaining())
+
+    @_unary
+    def ActivationFrame(self, request, context):  # noqa: N802
+        if not request.HasField("frame"):
+            raise InvalidRequestError("frame is required in ActivationFrame")
+        return self.stage.process(request, context.time_remaining())
+
+    @_unary
+    def Decode(self, request, context):  # noqa: N802
+        self._require_head("Decode")
+        entry = pb.BatchEntry(
+            session_id=request.session_id, phase=pb.PHASE_DECODE, positions=[request.position],
+            token_ids=[request.token_id], sample_last=True, want_logits=request.want_logits,
+            sampling=request.sampling if request.HasField("sampling") else sampling_to_pb(None),
+        )
+        resp = self.stage.process(pb.IterationBatchRequest(entries=[entry]), context.time_remaining())
+        out = resp.outputs[0]
+        return pb.DecodeResponse(token=out.token, logits=out.logits)
+
+    @_unary
+    def DropSession(self, request, context):  # noqa: N802
+        return self.stage.drop_session(request.session_id, context.time_remaining())
+
+    @_unary
+    def GetStatus(self, request, context):  # noqa: N802
+        return self.stage.status()
+
+    def Generate(self, request, context):  # noqa: N802
+        started = time.perf_counter()
+        try:
+            self._require_head("Generate")
+            generator = self._head()
+            spec = generate_spec_from_pb(request, max_tokens_limit=generator.max_context)
+            first_token_s = None
+            for event in generator.generate(spec, remaining_s=context.time_remaining, is_active=context.is_active):
+                if isinstance(event, Finish):
+                    reason = pb.FINISH_REASON_STOP if event.reason == "stop" else pb.FINISH_REASON_LENGTH
+                    elapsed = time.perf_counter() - started
+                    log.info("generate", stage_id=self.stage.config.stage_id, session_id=event.session_id,
+                             prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                             finish=event.reason, seconds=round(elapsed, 3),
+                             first_token_s=round(first_token_s or elapsed, 3))
+                    yield pb.GenerateResponse(done=True, finish_reason=reason, prompt_tokens=event.prompt_tokens,
+                                              completion_tokens=event.completion_tokens, session_id=event.session_id)
+                else:
+                    if first_token_s is None:
+                        first_token_s = time.perf_counter() - started
+                    yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids)
+        except SkippyError as exc:
+            _abort(context, exc)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Refuse to share a port with another process: "port in use" must fail loudly.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class StageServer:
+    """A stage's gRPC server with health, reflection and the downstream health monitor."""
+
+    def __init__(self, config: StageConfig, *, timeouts: Timeouts = Timeouts(), max_workers: int = 64) -> None:
+        self.config = config
+        self.stage = Stage(config, max_message_bytes=config.max_message_bytes, timeouts=timeouts)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                  options=server_options(config.max_message_bytes))
+        pb_grpc.add_StageServiceServicer_to_server(StageServicer(self.stage), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self._set_health(False)
+        self.port = self.server.add_insecure_port(config.bind_addr)
+        if self.port == 0:
+            raise ConfigError(f"stage {config.stage_id}: cannot bind {config.bind_addr} (port in use or address unavailable)")
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_downstream, name="downstream-health", daemon=True)
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def _watch_downstream(self) -> None:
+        timeouts = self.stage.timeouts
+        while not self._stop.is_set():
+            if self.stage.downstream is not None:
+                probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
+                if probe.ok != self.stage.downstream_health.ok:
+                    log.info("downstream health", stage_id=self.config.stage_id, ok=probe.ok, detail=probe.detail)
+                self.stage.downstream_health = probe
+            self._set_health(self.stage.ready)
+            self._stop.wait(timeouts.health_interval_s)
+
+    def start(self) -> None:
+        self.server.start()
+        self._monitor.start()
+
+    def load(self) -> None:
+        self.stage.load()
+        self._set_health(self.stage.ready)
+
+    def drain(self, grace_s: float) -> None:
+        """Stop taking work (NOT_SERVING), let in-flight calls finish within grace_s, stop."""
+        self.stage.transition(StageState.DRAINING)
+        self._set_health(False)
+        self._stop.set()
+        self.server.stop(grace_s).wait()
+        self.stage.close()
+
+
+def serve(config: StageConfig, *, grace_s: float = 10.0, ready: Callable[[int], None] | None = None) -> int:
+    """Run one stage until SIGTERM or SIGINT; returns the process exit code."""
+    slog = log.bind(stage_id=config.stage_id, run_id=config.run_id)
+    server = StageServer(config)
+    server.start()
+    slog.info("stage listening", port=server.port, bind_addr=config.bind_addr, state="loading")
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        slog.info("signal received; draining", signal=signal.Signals(signum).name, grace_s=grace_s)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.load()
+    except BaseException:
+        server.drain(0)
+        raise
+    slog.info("stage loaded", port=server.port, layers=f"{config.layer_start}:{config.layer_end}")
+    if ready is not None:
+        ready(server.port)
+    stop.wait()
+    server.drain(grace_s)
+    slog.info("stage stopped")
+    return 0

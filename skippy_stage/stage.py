@@ -1,0 +1,193 @@
+"""One stage: its runtime, its downstream hop, and what happens to a batch passing through.
+
+The gRPC servicer (``service``) is a thin shell around this: parse, call, serialise. A
+batch runs through the local layers under the runtime's lock, then, outside every lock,
+travels to the downstream stage; the answer is relayed back. If the downstream fails,
+the sessions of that batch are freed here before the error travels up, so no stage keeps
+a half-advanced session: "a session that fails anywhere is freed on every stage".
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+import structlog
+
+from skippy_stage.config import StageConfig
+from skippy_stage.downstream import DownstreamClient, HealthProbe
+from skippy_stage.errors import DownstreamError, InvalidRequestError, UnknownSessionError
+from skippy_stage.messages import StageShape, entries_from_request, forward_request, response_from_results
+from skippy_stage.runtime import StageRuntime
+from skippy_stage.slicing import read_model_info
+from skippy_stage.v1 import stage_pb2 as pb
+
+log = structlog.get_logger("skippy_stage.stage")
+
+
+class StageState(enum.Enum):
+    LOADING = "loading"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+_TRANSITIONS = {
+    StageState.LOADING: {StageState.SERVING, StageState.DRAINING, StageState.STOPPED},
+    StageState.SERVING: {StageState.DRAINING, StageState.STOPPED},
+    StageState.DRAINING: {StageState.STOPPED},
+    StageState.STOPPED: set(),
+}
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout is named by its scope."""
+
+    hop_s: float = 30.0  # one downstream call, capped further by the caller's deadline
+    health_probe_s: float = 1.0  # one downstream health check
+    health_interval_s: float = 0.5  # between downstream health checks
+    step_s: float = 60.0  # one generation step at the head, end to end
+
+
+class Stage:
+    """The stage's domain object; owns the runtime and the downstream client."""
+
+    def __init__(self, config: StageConfig, *, max_message_bytes: int, timeouts: Timeouts = Timeouts()) -> None:
+        self.config = config
+        self.timeouts = timeouts
+        self.max_message_bytes = max_message_bytes
+        self.log = log.bind(stage_id=config.stage_id, run_id=config.run_id)
+        self.runtime: StageRuntime | None = None
+        self.shape: StageShape | None = None
+        self.architecture = ""
+        self._state = StageState.LOADING
+        self._state_lock = threading.Lock()
+        self.downstream = (
+            DownstreamClient(config.downstream, max_message_bytes=max_message_bytes, hop_timeout_s=timeouts.hop_s)
+            if config.downstream is not None
+            else None
+        )
+        self.downstream_health = HealthProbe(config.downstream is None, "not probed yet")
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def state(self) -> StageState:
+        return self._state
+
+    def transition(self, new: StageState) -> bool:
+        """Move to ``new`` if the lifecycle allows it; False when it does not."""
+        with self._state_lock:
+            if new not in _TRANSITIONS[self._state]:
+                return False
+            self._state = new
+        self.log.info("stage state", state=new.value)
+        return True
+
+    def load(self) -> None:
+        """Slice (or reuse) the stage file and load it; the slow part of start-up."""
+        self.architecture = read_model_info(self.config.model_path).architecture
+        runtime = StageRuntime(self.config)
+        self.shape = StageShape(
+            stage_id=self.config.stage_id, stage_index=self.config.stage_index,
+            layer_start=self.config.layer_start, layer_end=self.config.layer_end, n_embd=runtime.n_embd,
+            include_embeddings=self.config.include_embeddings, include_output=self.config.include_output,
+            wire_dtype=self.config.wire_dtype,
+        )
+        self.runtime = runtime
+        self.transition(StageState.SERVING)
+
+    @property
+    def ready(self) -> bool:
+        """Loaded, serving, and (with a downstream) the whole chain below answers."""
+        return self._state is StageState.SERVING and self.downstream_health.ok
+
+    def require_runtime(self) -> StageRuntime:
+        if self.runtime is None or self._state is StageState.LOADING:
+            raise DownstreamError(f"stage {self.config.stage_id} is still loading", stage_id=self.config.stage_id)
+        if self._state is not StageState.SERVING:
+            raise DownstreamError(f"stage {self.config.stage_id} is {self._state.value}", stage_id=self.config.stage_id)
+        return self.runtime
+
+    def close(self) -> None:
+        self.transition(StageState.STOPPED)
+        if self.downstream is not None:
+            self.downstream.close()
+        if self.runtime is not None:
+            self.runtime.close()
+
+    # -- the batch path --------------------------------------------------------------
+
+    def process(self, request: pb.IterationBatchRequest, remaining_s: float | None) -> pb.IterationBatchResponse:
+        """Run the local layers, then forward and relay (or answer, at the final stage)."""
+        runtime = self.require_runtime()
+        entries = entries_from_request(request, self.shape)
+        results = runtime.run_batch(entries)
+        if self.downstream is None:
+            return response_from_results(results, self.config.stage_id)
+        forward = forward_request(request, results, self.shape)
+        try:
+            return self.downstream.forward(forward, remaining_s)
+        except DownstreamError as exc:
+            sessions = [e.session_id for e in entries]
+            self.free_sessions(sessions)
+            self.log.warning("forward failed; sessions freed", failed_stage=exc.stage_id, error=str(exc),
+                             sessions=sessions, request_id=request.request_id)
+            raise
+
+    def free_sessions(self, session_ids: list[str]) -> None:
+        """Free sessions on this stage only (after a failure), ignoring unknown ones."""
+        if self.runtime is None:
+            return
+        for session_id in session_ids:
+            try:
+                self.runtime.drop_session(session_id)
+            except UnknownSessionError:
+                pass
+
+    def drop_session(self, session_id: str, remaining_s: float | None) -> pb.DropSessionResponse:
+        """Free the session here and on every stage below; NOT_FOUND only if no stage had it."""
+        if not session_id:
+            raise InvalidRequestError("session_id is empty")
+        runtime = self.require_runtime()
+        try:
+            result = runtime.drop_session(session_id)
+            stages = [pb.StageDrop(stage_id=self.config.stage_id, found=True, reset_ms=result.reset_seconds * 1e3)]
+        except UnknownSessionError:
+            stages = [pb.StageDrop(stage_id=self.config.stage_id, found=False)]
+        if self.downstream is not None:
+            try:
+                stages.extend(self.downstream.drop_session(session_id, remaining_s).stages)
+            except DownstreamError as exc:
+                if exc.code_name != "NOT_FOUND":
+                    raise
+                stages.append(pb.StageDrop(stage_id=self.downstream.peer.stage_id, found=False))
+        if not any(s.found for s in stages):
+            raise UnknownSessionError(f"session_id={session_id!r} is not bound on stage {self.config.stage_id} or below")
+        return pb.DropSessionResponse(stages=stages)
+
+    def status(self) -> pb.StageStatus:
+        cfg = self.config
+        msg = pb.StageStatus(
+            stage_id=cfg.stage_id, stage_index=cfg.stage_index, run_id=cfg.run_id, topology_id=cfg.topology_id,
+            model_id=cfg.model_id or cfg.model_path, architecture=self.architecture,
+            layer_start=cfg.layer_start, layer_end=cfg.layer_end, include_embeddings=cfg.include_embeddings,
+            include_output=cfg.include_output, state=self._state.value, wire_dtype=cfg.wire_dtype,
+            downstream_ok=self.downstream_health.ok, downstream_error=self.downstream_health.detail if not self.downstream_health.ok else "",
+        )
+        if cfg.downstream is not None:
+            msg.downstream_stage_id = cfg.downstream.stage_id
+            msg.downstream_endpoint = cfg.downstream.endpoint
+        if self.runtime is not None:
+            s = self.runtime.stats()
+            msg.n_embd = self.runtime.n_embd
+            msg.lane_count, msg.active_sessions, msg.idle_lanes = s.lane_count, s.active_sessions, s.idle_lanes
+            msg.free_lanes, msg.max_session_tokens = s.free_lanes, s.max_session_tokens
+            msg.total_session_tokens, msg.kv_pool_tokens = s.total_session_tokens, s.kv_pool_tokens
+            msg.kv_cells_per_lane, msg.discarded_lanes = s.kv_cells_per_lane, s.discarded_lanes
+            msg.lanes.extend(
+                pb.LaneRow(lane=r.lane, state=r.state, session_id=r.session_id or "", tokens=r.n_tokens) for r in s.lanes
+            )
+        return msg
