@@ -218,7 +218,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     _generate(args.endpoint, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
               seed=args.seed, chat=args.chat)
-    sys.stdout.write("\n")
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")  # only for people: piped output is exactly the generated text
     return 0
 
 

@@ -31,3 +31,27 @@ def gemma3() -> Path:
 def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One slice cache for the whole run, so each stage file is built once."""
     return tmp_path_factory.mktemp("slice-cache")
+
+
+@pytest.fixture(scope="session")
+def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
+    """Start ``serve`` processes for a split on loopback; every one is stopped at the end.
+
+    Returns a function ``(model, ranges, **config_overrides) -> LocalPipeline``.
+    """
+    from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
+
+    started: list[LocalPipeline] = []
+
+    def start(model: Path, ranges: list[tuple[int, int]], **extra: object) -> LocalPipeline:
+        ports = _free_ports("127.0.0.1", len(ranges))
+        extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, **extra}
+        configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra=extra)
+        pipeline = LocalPipeline(configs, tmp_path_factory.mktemp("pipeline"))
+        started.append(pipeline)
+        pipeline.wait_serving(180)
+        return pipeline
+
+    yield start
+    for pipeline in started:
+        pipeline.stop()

@@ -1,0 +1,145 @@
+"""The product, checked from outside: separate ``serve`` processes chained over gRPC.
+
+The contract: with temperature 0 (and no chat template), the text ``skippy-stage
+generate`` prints equals llama-cpp-python's ``create_completion`` on the unsplit model,
+for every split and every accepted architecture. Concurrent sessions never leak into each
+other, and a stage killed mid-generation makes ``Generate`` fail fast with UNAVAILABLE
+naming it, while the surviving stages free the session.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from llama_cpp import Llama
+
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:\n",
+    "def add(a, b):",
+]
+MAX_TOKENS = 48
+
+
+def reference_texts(model, prompts, max_tokens):
+    llm = Llama(model_path=str(model), n_ctx=2048, verbose=False)
+    try:
+        return [llm.create_completion(p, max_tokens=max_tokens, temperature=0)["choices"][0]["text"] for p in prompts]
+    finally:
+        llm.close()
+
+
+def cli_generate(endpoint: str, prompt: str, max_tokens: int) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "skippy_stage", "generate", "--endpoint", endpoint, "--max-tokens", str(max_tokens),
+         "--temperature", "0", prompt],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    return out.stdout
+
+
+def grpc_generate(endpoint: str, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, pb.GenerateResponse]:
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        text, last = [], None
+        for msg in stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=timeout):
+            text.append(msg.text)
+            last = msg
+        return "".join(text), last
+
+
+def status(endpoint: str) -> pb.StageStatus:
+    with grpc.insecure_channel(endpoint) as channel:
+        return pb_grpc.StageServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=5)
+
+
+@pytest.fixture(scope="module")
+def smollm2_texts(smollm2):
+    return reference_texts(smollm2, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("ranges", [[(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]], ids=["2-stage", "3-stage"])
+def test_generate_prints_exactly_what_the_unsplit_model_completes(ranges, smollm2, smollm2_texts, start_pipeline):
+    pipeline = start_pipeline(smollm2, ranges)
+    try:
+        for prompt, expected in zip(PROMPTS, smollm2_texts):
+            assert cli_generate(pipeline.head_endpoint, prompt, MAX_TOKENS) == expected
+        for cfg in pipeline.configs:
+            assert status(str(cfg["bind_addr"])).active_sessions == 0
+    finally:
+        pipeline.stop()
+
+
+def test_gemma3_pipeline_prints_exactly_what_the_unsplit_model_completes(gemma3, start_pipeline):
+    prompts = PROMPTS[:2]
+    expected = reference_texts(gemma3, prompts, 24)
+    pipeline = start_pipeline(gemma3, [(0, 5), (5, 11), (11, 18)])
+    try:
+        for prompt, text in zip(prompts, expected):
+            assert cli_generate(pipeline.head_endpoint, prompt, 24) == text
+    finally:
+        pipeline.stop()
+
+
+def test_eight_concurrent_generations_equal_the_same_calls_made_one_at_a_time(smollm2, start_pipeline):
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 3)][:8]
+    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)], lane_count=8)
+    try:
+        sequential = [grpc_generate(pipeline.head_endpoint, p, 24)[0] for p in prompts]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            concurrent = list(pool.map(lambda p: grpc_generate(pipeline.head_endpoint, p, 24)[0], prompts))
+        assert concurrent == sequential
+        assert len(set(sequential)) > 1
+        for cfg in pipeline.configs:
+            assert status(str(cfg["bind_addr"])).active_sessions == 0
+    finally:
+        pipeline.stop()
+
+
+def test_killing_a_downstream_stage_fails_generate_fast_and_frees_the_session_upstream(smollm2, start_pipeline):
+    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)])
+    try:
+        head = pipeline.head_endpoint
+        first_piece = threading.Event()
+        outcome: dict[str, object] = {}
+
+        def run() -> None:
+            with grpc.insecure_channel(head) as channel:
+                stub = pb_grpc.StageServiceStub(channel)
+                try:
+                    for msg in stub.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_tokens=400), timeout=30):
+                        if msg.text:
+                            first_piece.set()
+                    outcome["finished"] = True
+                except grpc.RpcError as err:
+                    outcome["error"] = err
+                    outcome["at"] = time.monotonic()
+                first_piece.set()
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert first_piece.wait(60)
+        killed_at = time.monotonic()
+        os.kill(pipeline.procs[2].pid, signal.SIGKILL)
+        worker.join(30)
+        assert not worker.is_alive(), "Generate hung after a stage was killed"
+        err = outcome.get("error")
+        assert isinstance(err, grpc.RpcError), f"Generate did not fail: {outcome}"
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stage-2" in err.details()
+        print(f"kill -9 of stage-2 to the client's UNAVAILABLE: {(outcome['at'] - killed_at) * 1e3:.0f} ms")
+        for cfg in pipeline.configs[:2]:
+            assert status(str(cfg["bind_addr"])).active_sessions == 0
+    finally:
+        pipeline.stop()
