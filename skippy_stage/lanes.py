@@ -86,7 +86,9 @@ class LaneTable:
         kv_pool_tokens: int,
         cache_idle_slots: int | None,
         reset: ResetFn,
+        owner: str = "this stage",
     ) -> None:
+        self.owner = owner
         self.lane_count = lane_count
         self.cells_per_lane = cells_per_lane
         self.kv_pool_tokens = kv_pool_tokens
@@ -157,7 +159,7 @@ class LaneTable:
                 if bound is None:
                     if a.start_pos != 0:
                         raise UnknownSessionError(
-                            f"session_id={a.session_id!r} is not bound on this stage "
+                            f"session_id={a.session_id!r} is not bound on {self.owner} "
                             f"(positions start at {a.start_pos}, a new session starts at 0)"
                         )
                     new.append(a)

@@ -137,6 +137,7 @@ class StageRuntime:
             kv_pool_tokens=self.n_ctx,
             cache_idle_slots=config.cache_idle_slots,
             reset=self._reset_lane,
+            owner=f"stage {config.stage_id}",
         )
         self._samplers: dict[str, _SessionSampler] = {}
         self._history: dict[str, list[int]] = {}
@@ -295,7 +296,8 @@ class StageRuntime:
             if total > cfg.n_batch:
                 raise InvalidRequestError(f"batch has more than n_batch={cfg.n_batch} tokens ({where} brings the total to {total})")
             if pos[0] < 0 or pos[-1] >= 2**31 - 1:
-                raise InvalidRequestError(f"{where}.positions[0]={int(pos[0])} is out of range")
+                k = 0 if pos[0] < 0 else pos.shape[0] - 1
+                raise InvalidRequestError(f"{where}.positions[{k}]={int(pos[k])} is out of range [0, 2^31-1)")
             gaps = np.nonzero(np.diff(pos) != 1)[0]
             if gaps.size:
                 k = int(gaps[0])
@@ -326,6 +328,9 @@ class StageRuntime:
                     raise InvalidRequestError(f"{where}.hidden has {h.shape[0]} rows for {pos.shape[0]} positions")
                 if h.dtype != np.float32:
                     raise InvalidRequestError(f"{where}.hidden dtype {h.dtype} is not float32")
+                if not np.isfinite(h).all():
+                    row = int(np.nonzero(~np.isfinite(h).all(axis=1))[0][0])
+                    raise InvalidRequestError(f"{where}.hidden row {row} holds non-finite values (NaN or inf)")
             if (e.sample or e.want_logits) and not cfg.include_output:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
             if e.sample:
@@ -403,8 +408,11 @@ class StageRuntime:
 
     def _final_result(self, c: _Checked, row: int) -> EntryResult:
         e = c.entry
+        # history[i] is the token at position i; a sampled token was put at its position
+        # already, so the step that feeds it back replaces it instead of adding it twice.
         history = self._history.setdefault(e.session_id, [])
         if c.tokens is not None:
+            del history[int(c.positions[0]) :]
             history.extend(int(t) for t in c.tokens)
         logits = None
         if e.want_logits:
@@ -423,9 +431,9 @@ class StageRuntime:
         if state is None or state.chain.params != params:
             if state is not None:
                 state.chain.close()
-            state = _SessionSampler(SamplerChain(params), accepted=max(0, len(history) - params.repeat_last_n))
+            state = _SessionSampler(SamplerChain(params, self.n_vocab), accepted=max(0, len(history) - params.repeat_last_n))
             self._samplers[session_id] = state
-        for token in history[state.accepted :]:
+        for token in history[min(state.accepted, len(history)) :]:
             state.chain.accept(token)
         state.accepted = len(history)
         return state

@@ -53,14 +53,14 @@ class SamplingParams:
 class SamplerChain:
     """A llama.cpp sampler chain that owns its native memory."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
         self.params = params
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
         add = lambda s: llama_cpp.llama_sampler_chain_add(self._chain, s)  # noqa: E731
         if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
-            add(llama_cpp.llama_sampler_init_penalties(params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+            add(llama_cpp.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
         if params.greedy:
             add(llama_cpp.llama_sampler_init_greedy())
             return

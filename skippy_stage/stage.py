@@ -124,6 +124,7 @@ class Stage:
         """Run the local layers, then forward and relay (or answer, at the final stage)."""
         runtime = self.require_runtime()
         entries = entries_from_request(request, self.shape)
+        self._check_reply_fits(request, runtime.n_vocab)
         results = runtime.run_batch(entries)
         if self.downstream is None:
             return response_from_results(results, self.config.stage_id)
@@ -133,9 +134,37 @@ class Stage:
         except DownstreamError as exc:
             sessions = [e.session_id for e in entries]
             self.free_sessions(sessions)
+            self._drop_below(sessions)
             self.log.warning("forward failed; sessions freed", failed_stage=exc.stage_id, error=str(exc),
                              sessions=sessions, request_id=request.request_id)
             raise
+
+    def _drop_below(self, session_ids: list[str]) -> None:
+        """Best effort, in the background: the stages below may hold the failed batch too.
+
+        (A stage that already answered, when the reply was lost on the way back, has
+        advanced its sessions.) The error travels up without waiting for this.
+        """
+        downstream = self.downstream
+
+        def drop_all() -> None:
+            for session_id in session_ids:
+                try:
+                    downstream.drop_session(session_id, self.timeouts.health_probe_s)
+                except DownstreamError:
+                    pass  # not held below (NOT_FOUND) or the stage is gone: nothing to free
+
+        threading.Thread(target=drop_all, name="drop-below", daemon=True).start()
+
+    def _check_reply_fits(self, request: pb.IterationBatchRequest, n_vocab: int) -> None:
+        """Refuse up front a batch whose logits could not travel back within the size limit."""
+        wanted = sum(1 for e in request.entries if e.want_logits)
+        reply_bytes = wanted * n_vocab * 5 + 64 * len(request.entries)  # packed floats + framing
+        if wanted and reply_bytes > self.max_message_bytes:
+            raise InvalidRequestError(
+                f"{wanted} entries set want_logits: the reply (~{reply_bytes} bytes) exceeds "
+                f"max_message_bytes={self.max_message_bytes}"
+            )
 
     def free_sessions(self, session_ids: list[str]) -> None:
         """Free sessions on this stage only (after a failure), ignoring unknown ones."""

@@ -41,6 +41,7 @@ def chain(smollm2, slice_cache):
     configs = split_configs(
         smollm2, [(0, 15), (15, 30)], slice_cache,
         n_batch=N_BATCH, n_ubatch=N_BATCH, ctx_size=CTX_SIZE, lane_count=LANE_COUNT,
+        n_threads=1,  # two stages share two cores: one thread each, so neither spins waiting for the other
     )
     built = Chain(configs)
     yield built
@@ -64,7 +65,7 @@ def prompt(head) -> list[int]:
 
 @pytest.fixture(autouse=True)
 def no_session_outlives_a_test(chain):
-    """Each test starts with empty lane tables; a failing test cannot poison the next one."""
+    """Drop whatever a test left bound, so a failing test cannot poison the next one."""
     yield
     for stage in chain.stages:
         for row in stage.stats().lanes:
@@ -83,7 +84,7 @@ def rows(n: int, width: int = N_EMBD, dtype: type = np.float32) -> np.ndarray:
 def generate(
     chain: Chain, session_id: str, tokens: Sequence[int], n_tokens: int, sampling: SamplingParams | None = None,
 ) -> tuple[list[int], list[np.ndarray]]:
-    """Prefill ``tokens`` then decode ``n_tokens`` through the chain; the session is dropped afterwards.
+    """Prefill ``tokens`` and sample ``n_tokens`` tokens through the chain, then drop the session.
 
     Each generated token is fed back as the next step's token ids, as the head does, so the
     final stage's sampler sees the whole history.
@@ -166,7 +167,9 @@ def test_hidden_rows_over_n_batch_are_refused_at_an_inner_stage_too(chain, tail,
 # -- token ids -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [N_VOCAB, N_VOCAB + 1000, -1, -(2**31)], ids=["n_vocab", "beyond", "minus-one", "int32-min"])
+@pytest.mark.parametrize(
+    "bad", [N_VOCAB, N_VOCAB + 1000, -1, -(2**31)], ids=["n_vocab", "beyond", "minus-one", "int32-min"],
+)
 @pytest.mark.parametrize("where", ["head", "tail"])
 def test_a_token_id_outside_the_vocabulary_is_refused(chain, prompt, where, bad):
     """The tail takes token ids too (for the sampler's history), so it checks them as well."""
@@ -249,8 +252,9 @@ def test_a_session_continues_only_at_its_next_position(chain, head, prompt):
 
 
 def test_an_unknown_session_must_start_at_position_0(chain, head, tail, prompt):
-    refuse(head, [BatchEntry("ghost", [5, 6], token_ids=[1, 2])], UnknownSessionError, "session_id='ghost'", "start at 5")
-    refuse(tail, [BatchEntry("ghost", [5, 6], hidden=rows(2))], UnknownSessionError, "session_id='ghost'", "start at 5")
+    names = ("session_id='ghost'", "start at 5")
+    refuse(head, [BatchEntry("ghost", [5, 6], token_ids=[1, 2])], UnknownSessionError, *names)
+    refuse(tail, [BatchEntry("ghost", [5, 6], hidden=rows(2))], UnknownSessionError, *names)
     assert_serves(chain, prompt)
 
 
@@ -382,11 +386,6 @@ def test_top_k_1_at_temperature_1_is_greedy(chain, prompt):
 REPETITIVE = "one, one, one, one, one,"
 
 
-@pytest.mark.xfail(
-    strict=True, raises=TypeError,
-    reason="bug: sampling.SamplerChain calls llama_sampler_init_penalties without its n_vocab argument "
-    "(llama-cpp-python 0.3.36 takes 5), so any repeat_penalty != 1.0 raises TypeError after llama_decode",
-)
 def test_repeat_penalty_sees_the_prompt_that_flows_down_the_chain(chain, head):
     """The prompt reaches the final stage as token ids, so even the first token is penalised.
 
@@ -401,15 +400,10 @@ def test_repeat_penalty_sees_the_prompt_that_flows_down_the_chain(chain, head):
     assert penalised != plain
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bugs: (1) penalties sampler built without n_vocab (TypeError); (2) runtime._final_result appends "
-    "the sampled token to the history and the next step's token_ids append it again, so the penalty window "
-    "holds every generated token twice",
-)
 def test_repeat_penalty_window_holds_the_last_n_tokens_of_the_history(chain, head):
     """Greedy with a penalty picks the argmax of the logits penalised over the last repeat_last_n tokens."""
     penalty, last_n = 1.5, 2
+    factor = np.float32(penalty)
     tokens = head.tokenize("one one one one one one")
     params = SamplingParams(repeat_penalty=penalty, repeat_last_n=last_n)
     out, logits = generate(chain, "window", tokens, 24, params)
@@ -417,8 +411,8 @@ def test_repeat_penalty_window_holds_the_last_n_tokens_of_the_history(chain, hea
     expected = []
     for row, token in zip(logits, out):
         penalised = row.copy()
-        for t in set(history[-last_n:]):
-            penalised[t] = penalised[t] * np.float32(penalty) if penalised[t] <= 0 else penalised[t] / np.float32(penalty)
+        for t in set(history[-last_n:]):  # llama.cpp: multiply a non-positive logit, divide a positive one
+            penalised[t] = penalised[t] * factor if penalised[t] <= 0 else penalised[t] / factor
         expected.append(int(np.argmax(penalised)))
         history.append(token)
     assert out == expected
