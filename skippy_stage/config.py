@@ -106,6 +106,11 @@ class StageConfig:
     wire_dtype: str = "f32"
     # Largest gRPC message this stage sends or accepts; larger ones get RESOURCE_EXHAUSTED.
     max_message_bytes: int = 64 * 1024 * 1024
+    # Head scheduler: batches in flight at once (disjoint session groups), the admission
+    # queue's bound, and how long a session may wait in it for a lane.
+    max_inflight: int = 1
+    admission_queue: int = 64
+    admission_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -239,6 +244,13 @@ def _validate(cfg: StageConfig) -> None:
         _require_int(cfg, name, 1)
     _require_int(cfg, "n_threads_batch", 1, optional=True)
     _require_int(cfg, "max_message_bytes", 1024)
+    _require_int(cfg, "max_inflight", 1)
+    _require_int(cfg, "admission_queue", 0)
+    if cfg.max_inflight > cfg.lane_count:
+        raise _fail(cfg, "max_inflight", cfg.max_inflight, f"must be <= lane_count={cfg.lane_count}")
+    wait = cfg.admission_wait_s
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 3600:
+        raise _fail(cfg, "admission_wait_s", wait, "must be a number of seconds in (0, 3600]")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)
     if cfg.n_ubatch > cfg.n_batch:
         raise _fail(cfg, "n_ubatch", cfg.n_ubatch, f"must be <= n_batch={cfg.n_batch}")

@@ -1,8 +1,8 @@
-"""The head's generation loop: tokenise, prefill, sample step by step, stream text.
+"""The head's generation front: tokenise, hand the session to the scheduler, stream text.
 
-Only stage 0 has the tokenizer and the chat template; every step of a generation is one
-batch that travels down the whole chain (``Stage.process``) and comes back with the
-sampled token. Text leaves as valid UTF-8 pieces, held back while it could still be the
+Only stage 0 has the tokenizer and the chat template. The scheduler (``scheduler``)
+advances every active session in shared batches down the chain; this module turns each
+session's sampled tokens into text. Text leaves as valid UTF-8 pieces, held back while it could still be the
 start of a stop string, so what a client reads equals what llama-cpp-python's
 ``create_completion`` returns for the same prompt and settings.
 """
@@ -10,23 +10,23 @@ start of a stop string, so what a client reads equals what llama-cpp-python's
 from __future__ import annotations
 
 import codecs
+import queue
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from skippy_stage.errors import InvalidRequestError, SkippyError
+from skippy_stage.errors import InvalidRequestError
 from skippy_stage.messages import GenerateSpec, sampling_to_pb
+from skippy_stage.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
 from skippy_stage.stage import Stage
-from skippy_stage.v1 import stage_pb2 as pb
 
 log = structlog.get_logger("skippy_stage.head")
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
+# How often a waiting handler checks whether its client is still there.
+_POLL_S = 0.1
 
 
 @dataclass
@@ -90,6 +90,19 @@ class Generator:
         self.stage = stage
         self.runtime = runtime
         self.max_context = runtime.cells_per_lane
+        cfg = stage.config
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                lane_count=cfg.lane_count, kv_pool_tokens=runtime.n_ctx, max_context=runtime.cells_per_lane,
+                n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, max_inflight=cfg.max_inflight,
+                max_queue=cfg.admission_queue, max_queue_wait_s=cfg.admission_wait_s,
+                step_timeout_s=stage.timeouts.step_s,
+            ),
+            step=stage.process,
+            drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.health_probe_s * 5),
+            is_eog=runtime.is_eog,
+            stage_id=cfg.stage_id,
+        )
         template = runtime.metadata("tokenizer.chat_template")
         self._chat = (
             Jinja2ChatFormatter(
@@ -111,6 +124,7 @@ class Generator:
 
     def generate(self, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:
+        """Submit the generation to the scheduler and turn its tokens into text pieces."""
         prompt = self.prompt_tokens(spec)
         if not prompt:
             raise InvalidRequestError("prompt tokenises to no tokens")
@@ -118,31 +132,33 @@ class Generator:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} (ctx_size / lane_count)"
             )
-        session_id = uuid.uuid4().hex
-        slog = log.bind(stage_id=self.stage.config.stage_id, session_id=session_id)
-        sampling = sampling_to_pb(spec.sampling)
+        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=sampling_to_pb(spec.sampling),
+                    max_tokens=spec.max_tokens)
+        slog = log.bind(stage_id=self.stage.config.stage_id, session_id=task.session_id)
+        self.scheduler.submit(task)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         scanner = _StopScanner(spec.stop)
-        n_batch = self.stage.config.n_batch
-        completion: list[int] = []
+        completion = 0
         pending_ids: list[int] = []
         reason = FINISH_LENGTH
         try:
-            token = None
-            for start in range(0, len(prompt), n_batch):
-                chunk = prompt[start : start + n_batch]
-                last = start + len(chunk) >= len(prompt)
-                token = self._step(session_id, start, chunk, last, sampling, remaining_s)
             while True:
-                if not is_active():
-                    slog.info("generation cancelled by the client", completion_tokens=len(completion))
-                    return
-                if self.runtime.is_eog(token):
-                    reason = FINISH_STOP
+                try:
+                    event = task.events.get(timeout=_POLL_S)
+                except queue.Empty:
+                    remaining = remaining_s()
+                    if not is_active() or (remaining is not None and remaining <= 0):
+                        slog.info("generation abandoned by the client", completion_tokens=completion)
+                        return
+                    continue
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, End):
+                    reason = event.reason
                     break
-                completion.append(token)
-                pending_ids.append(token)
-                text = scanner.feed(decoder.decode(self.runtime.token_bytes(token)))
+                completion += 1
+                pending_ids.append(event)
+                text = scanner.feed(decoder.decode(self.runtime.token_bytes(event)))
                 if scanner.stopped:
                     reason = FINISH_STOP
                     if text:
@@ -152,44 +168,15 @@ class Generator:
                 if text:
                     yield Piece(text, pending_ids)
                     pending_ids = []
-                position = len(prompt) + len(completion) - 1
-                if len(completion) >= spec.max_tokens or position + 1 >= self.max_context:
-                    break
-                token = self._step(session_id, position, [token], True, sampling, remaining_s)
             if not scanner.stopped:
                 tail = scanner.feed(decoder.decode(b"", final=True))
                 if not scanner.stopped:
                     tail += scanner.flush()  # no stop string can complete any more
                 if tail or pending_ids:
                     yield Piece(tail, pending_ids)
-            yield Finish(reason, len(prompt), len(completion), session_id)
-            slog.info("generation finished", reason=reason, prompt_tokens=len(prompt), completion_tokens=len(completion))
+            yield Finish(reason, len(prompt), completion, task.session_id)
         finally:
-            self._release(session_id, remaining_s, slog)
+            task.cancel()  # the scheduler frees the session on every stage
 
-    def _step(self, session_id: str, start: int, tokens: list[int], sample: bool,
-              sampling: pb.SamplingParams, remaining_s: Callable[[], float | None]) -> int | None:
-        entry = pb.BatchEntry(
-            session_id=session_id,
-            phase=pb.PHASE_DECODE if start > 0 and len(tokens) == 1 else pb.PHASE_PREFILL,
-            positions=np.arange(start, start + len(tokens)).tolist(),
-            token_ids=tokens,
-            sample_last=sample,
-            sampling=sampling,
-        )
-        remaining = remaining_s()
-        step_budget = self.stage.timeouts.step_s if remaining is None else min(remaining, self.stage.timeouts.step_s)
-        response = self.stage.process(pb.IterationBatchRequest(request_id=session_id, entries=[entry]), step_budget)
-        if not sample:
-            return None
-        out = response.outputs[0]
-        if not out.has_token:
-            raise SkippyError(f"stage {response.final_stage_id} returned no token for session {session_id}")
-        return out.token
-
-    def _release(self, session_id: str, remaining_s: Callable[[], float | None], slog) -> None:
-        """Free the session on every stage; a stage that is gone has freed it already."""
-        try:
-            self.stage.drop_session(session_id, min(remaining_s() or 5.0, 5.0))
-        except SkippyError as exc:
-            slog.info("session release incomplete", error=str(exc))
+    def close(self) -> None:
+        self.scheduler.close()

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from skippy_stage.config import StageConfig
-from skippy_stage.downstream import FAILED_STAGE_KEY
+from skippy_stage.downstream import FAILED_STAGE_KEY, HealthProbe
 from skippy_stage.errors import (
     CapacityError,
     ConfigError,
@@ -87,11 +87,19 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self._generator_lock = threading.Lock()
 
     def _head(self) -> Generator:
+        """The head's generator; new generations are refused unless the stage is SERVING."""
+        self.stage.require_runtime(draining_ok=False)
         with self._generator_lock:
             if self._generator is None:
-                self.stage.require_runtime()
                 self._generator = Generator(self.stage)
             return self._generator
+
+    def close(self) -> None:
+        """Let admitted generations finish; refuse the ones still queued."""
+        with self._generator_lock:
+            generator, self._generator = self._generator, None
+        if generator is not None:
+            generator.close()
 
     def _require_head(self, rpc: str) -> None:
         if not self.stage.config.include_embeddings:
@@ -174,7 +182,8 @@ class StageServer:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                                   options=server_options(config.max_message_bytes))
-        pb_grpc.add_StageServiceServicer_to_server(StageServicer(self.stage), self.server)
+        self.servicer = StageServicer(self.stage)
+        pb_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self._set_health(False)
@@ -189,11 +198,42 @@ class StageServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
+    def _check_edge(self) -> HealthProbe:
+        """Agree on the edge with the downstream: layer continuity, width, architecture.
+
+        Done once per (re)connection, before this stage calls itself SERVING; a mismatch
+        keeps it NOT_SERVING with the reason in its status and logs.
+        """
+        try:
+            below = self.stage.downstream.status(self.stage.timeouts.health_probe_s)
+        except DownstreamError as exc:
+            return HealthProbe(False, str(exc))
+        problems = []
+        if below.layer_start != self.config.layer_end:
+            problems.append(f"its layer_start={below.layer_start} != this stage's layer_end={self.config.layer_end}")
+        if self.stage.runtime is not None and below.n_embd and below.n_embd != self.stage.runtime.n_embd:
+            problems.append(f"its n_embd={below.n_embd} != this stage's n_embd={self.stage.runtime.n_embd}")
+        if below.architecture and self.stage.architecture and below.architecture != self.stage.architecture:
+            problems.append(f"its architecture {below.architecture!r} != {self.stage.architecture!r}")
+        if problems:
+            detail = f"edge to stage {below.stage_id} refused: " + "; ".join(problems)
+            log.error("edge mismatch", stage_id=self.config.stage_id, detail=detail)
+            return HealthProbe(False, detail)
+        log.info("edge agreed", stage_id=self.config.stage_id, downstream=below.stage_id,
+                 layers=f"{self.config.layer_end}:{below.layer_end}", width=below.n_embd, wire_dtype=self.config.wire_dtype)
+        return HealthProbe(True, "")
+
     def _watch_downstream(self) -> None:
         timeouts = self.stage.timeouts
+        edge_ok = False
         while not self._stop.is_set():
             if self.stage.downstream is not None:
                 probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
+                if not probe.ok:
+                    edge_ok = False
+                elif not edge_ok and self.stage.runtime is not None:
+                    probe = self._check_edge()
+                    edge_ok = probe.ok
                 if probe.ok != self.stage.downstream_health.ok:
                     log.info("downstream health", stage_id=self.config.stage_id, ok=probe.ok, detail=probe.detail)
                 self.stage.downstream_health = probe
@@ -213,7 +253,11 @@ class StageServer:
         self.stage.transition(StageState.DRAINING)
         self._set_health(False)
         self._stop.set()
-        self.server.stop(grace_s).wait()
+        closing = threading.Thread(target=self.servicer.close, name="drain-scheduler", daemon=True)
+        closing.start()
+        stopped = self.server.stop(grace_s)
+        closing.join(grace_s)
+        stopped.wait()
         self.stage.close()
 
 

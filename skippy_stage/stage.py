@@ -104,9 +104,12 @@ class Stage:
         """Loaded, serving, and (with a downstream) the whole chain below answers."""
         return self._state is StageState.SERVING and self.downstream_health.ok
 
-    def require_runtime(self) -> StageRuntime:
+    def require_runtime(self, *, draining_ok: bool = True) -> StageRuntime:
+        """The runtime, or UNAVAILABLE; work already admitted may finish while draining."""
         if self.runtime is None or self._state is StageState.LOADING:
             raise DownstreamError(f"stage {self.config.stage_id} is still loading", stage_id=self.config.stage_id)
+        if self._state is StageState.DRAINING and draining_ok:
+            return self.runtime
         if self._state is not StageState.SERVING:
             raise DownstreamError(f"stage {self.config.stage_id} is {self._state.value}", stage_id=self.config.stage_id)
         return self.runtime

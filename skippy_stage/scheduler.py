@@ -1,0 +1,269 @@
+"""The head's iteration-level scheduler: every active session advances in one shared batch.
+
+Each step, a worker gathers the next token of every session it runs (decode) and a
+budgeted, n_ubatch-sized chunk of prompts still being read (prefill) into ONE
+IterationBatch that travels down the whole chain. ``max_inflight`` workers each own a
+disjoint group of sessions, so while one group's batch is on stage k the next group's
+batch can run on the stage above: the stages stay busy with several users.
+
+Admission is against the lanes and the KV pool; a bounded queue holds sessions that wait
+for room. A full queue, or a wait longer than ``admission_wait_s``, is refused with
+CapacityError carrying a retry hint — never a crash, never an unbounded wait.
+
+The step and drop actions are injected (``Stage.process`` / ``Stage.drop_session`` at run
+time), so the bookkeeping here is tested without a model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from skippy_stage.errors import CapacityError, SkippyError
+from skippy_stage.v1 import stage_pb2 as pb
+
+log = structlog.get_logger("skippy_stage.scheduler")
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class End:
+    """The last event of a task: why it finished."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: SkippyError
+
+
+@dataclass
+class Task:
+    """One generation as the scheduler sees it; events flow to the waiting handler."""
+
+    session_id: str
+    prompt: list[int]
+    sampling: pb.SamplingParams
+    max_tokens: int
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    prefilled: int = 0
+    generated: int = 0
+    last_token: int | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop this task and free its session (idempotent)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def reserve(self, max_context: int) -> int:
+        return min(len(self.prompt) + self.max_tokens, max_context)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    lane_count: int
+    kv_pool_tokens: int
+    max_context: int  # KV cells one session may hold
+    n_batch: int
+    n_ubatch: int
+    max_inflight: int = 1
+    max_queue: int = 64
+    max_queue_wait_s: float = 30.0
+    step_timeout_s: float = 60.0
+
+
+StepFn = Callable[[pb.IterationBatchRequest, float], pb.IterationBatchResponse]
+DropFn = Callable[[str], None]
+IsEog = Callable[[int], bool]
+
+
+class Scheduler:
+    """Runs tasks in shared batches on ``max_inflight`` worker threads."""
+
+    def __init__(self, limits: SchedulerLimits, *, step: StepFn, drop: DropFn, is_eog: IsEog,
+                 stage_id: str = "head") -> None:
+        self.limits = limits
+        self._step = step
+        self._drop = drop
+        self._is_eog = is_eog
+        self.log = log.bind(stage_id=stage_id)
+        self._cond = threading.Condition()
+        self._waiting: deque[Task] = deque()
+        self._groups: list[list[Task]] = [[] for _ in range(limits.max_inflight)]
+        self._reserved = 0
+        self._closed = False
+        self._batch_ids = itertools.count()
+        self.steps = 0
+        self._workers = [
+            threading.Thread(target=self._run, args=(i,), name=f"scheduler-{i}", daemon=True)
+            for i in range(limits.max_inflight)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # -- the client side -------------------------------------------------------------
+
+    def submit(self, task: Task) -> None:
+        with self._cond:
+            if self._closed:
+                raise CapacityError("the head is shutting down; retry on another replica")
+            if len(self._waiting) >= self.limits.max_queue:
+                raise CapacityError(
+                    f"admission queue is full ({self.limits.max_queue} sessions waiting for a lane); "
+                    f"retry after {self._retry_hint_ms()} ms",
+                )
+            self._waiting.append(task)
+            self._cond.notify_all()
+
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    def active(self) -> int:
+        with self._cond:
+            return sum(len(g) for g in self._groups)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cond.notify_all()
+        for task in waiting:
+            task.events.put(Failed(CapacityError("the head is shutting down; retry on another replica")))
+        for worker in self._workers:
+            worker.join(timeout=self.limits.step_timeout_s)
+
+    def _retry_hint_ms(self) -> int:
+        return int(max(100, min(self.limits.max_queue_wait_s * 1000 / 4, 5000)))
+
+    # -- the worker side -------------------------------------------------------------
+
+    def _admit_locked(self, group: list[Task]) -> None:
+        now = time.monotonic()
+        active = sum(len(g) for g in self._groups)
+        while self._waiting:
+            task = self._waiting[0]
+            if task.cancelled:
+                self._waiting.popleft()
+                continue
+            if now - task.enqueued_at > self.limits.max_queue_wait_s:
+                self._waiting.popleft()
+                task.events.put(Failed(CapacityError(
+                    f"waited {now - task.enqueued_at:.1f}s for a lane (admission_wait_s="
+                    f"{self.limits.max_queue_wait_s}); retry after {self._retry_hint_ms()} ms")))
+                continue
+            reserve = task.reserve(self.limits.max_context)
+            if active >= self.limits.lane_count or self._reserved + reserve > self.limits.kv_pool_tokens:
+                return
+            self._waiting.popleft()
+            task.admitted_at = now
+            self._reserved += reserve
+            group.append(task)
+            active += 1
+
+    def _release_locked(self, group: list[Task], task: Task) -> None:
+        group.remove(task)
+        self._reserved -= task.reserve(self.limits.max_context)
+        self._cond.notify_all()
+
+    def _run(self, index: int) -> None:
+        group = self._groups[index]
+        while True:
+            with self._cond:
+                finished = [t for t in group if t.cancelled]
+                for task in finished:
+                    self._release_locked(group, task)
+                if self._closed and not group:
+                    return
+                self._admit_locked(group)
+                batch = list(group)
+                if not batch and not finished:
+                    self._cond.wait(0.05)
+            for task in finished:
+                self._free(task)
+            if batch:
+                self._run_step(batch)
+
+    def _free(self, task: Task) -> None:
+        try:
+            self._drop(task.session_id)
+        except SkippyError as exc:
+            self.log.info("session release incomplete", session_id=task.session_id, error=str(exc))
+
+    def _entries(self, batch: list[Task]) -> tuple[list[pb.BatchEntry], list[tuple[Task, int]]]:
+        """Decode entries first (latency), then prompt chunks within the token budget."""
+        budget = self.limits.n_batch
+        entries: list[pb.BatchEntry] = []
+        plan: list[tuple[Task, int]] = []
+        for task in batch:
+            if task.prefilled == len(task.prompt) and task.last_token is not None and budget > 0:
+                position = len(task.prompt) + task.generated - 1
+                entries.append(pb.BatchEntry(session_id=task.session_id, phase=pb.PHASE_DECODE,
+                                             positions=[position], token_ids=[task.last_token],
+                                             sample_last=True, sampling=task.sampling))
+                plan.append((task, 0))
+                budget -= 1
+        for task in batch:
+            remaining = len(task.prompt) - task.prefilled
+            if remaining <= 0 or budget <= 0:
+                continue
+            n = min(remaining, self.limits.n_ubatch, budget)
+            start = task.prefilled
+            entries.append(pb.BatchEntry(session_id=task.session_id, phase=pb.PHASE_PREFILL,
+                                         positions=list(range(start, start + n)),
+                                         token_ids=task.prompt[start : start + n],
+                                         sample_last=start + n == len(task.prompt), sampling=task.sampling))
+            plan.append((task, n))
+            budget -= n
+        return entries, plan
+
+    def _run_step(self, batch: list[Task]) -> None:
+        entries, plan = self._entries(batch)
+        if not entries:
+            return
+        request = pb.IterationBatchRequest(request_id=f"step-{next(self._batch_ids)}", entries=entries)
+        try:
+            response = self._step(request, self.limits.step_timeout_s)
+        except SkippyError as exc:
+            self.log.warning("step failed", request_id=request.request_id, error=str(exc),
+                             sessions=[t.session_id for t, _ in plan])
+            for task, _ in plan:
+                task.events.put(Failed(exc))
+                task.cancel()
+            return
+        self.steps += 1
+        for (task, n_prefill), out in zip(plan, response.outputs):
+            task.prefilled += n_prefill
+            if not out.has_token:
+                continue
+            if task.first_token_at is None:
+                task.first_token_at = time.monotonic()
+            token = out.token
+            if self._is_eog(token):
+                task.events.put(End(FINISH_STOP))
+                task.cancel()
+                continue
+            task.generated += 1
+            task.last_token = token
+            task.events.put(token)
+            position = len(task.prompt) + task.generated - 1
+            if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
+                task.events.put(End(FINISH_LENGTH))
+                task.cancel()

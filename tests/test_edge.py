@@ -1,0 +1,43 @@
+"""Each edge is agreed at start-up: a stage whose downstream does not continue its layers
+(or has another width) never reports SERVING, and says why."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+
+def test_a_downstream_that_does_not_continue_the_layers_keeps_the_head_not_serving(smollm2, slice_cache, tmp_path):
+    ports = _free_ports("127.0.0.1", 2)
+    configs = pipeline_configs(str(smollm2), [(0, 10), (10, 30)], host="127.0.0.1", ports=ports,
+                               extra={"cache_dir": str(slice_cache), "n_threads": 1})
+    configs[1]["layer_start"] = 15  # stage-1 serves 15:30: layers 10..14 would be skipped
+    pipeline = LocalPipeline(configs, tmp_path)
+    try:
+        head = str(configs[0]["bind_addr"])
+        with grpc.insecure_channel(head) as channel:
+            stage = pb_grpc.StageServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 120
+            status = None
+            while time.monotonic() < deadline:
+                try:
+                    status = stage.GetStatus(pb.GetStatusRequest(), timeout=2)
+                    if "refused" in status.downstream_error:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+            assert status is not None
+            assert "layer_start=15" in status.downstream_error and "layer_end=10" in status.downstream_error
+            assert not status.downstream_ok
+            check = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        pipeline.stop()
