@@ -247,6 +247,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from skippy_stage.bench import format_table, run
+
+    report = run(args.json)
+    print(format_table(report))
+    if args.json:
+        print(f"# JSON written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_slice(args: argparse.Namespace) -> int:
     from skippy_stage.slicing import read_model_info, stage_file, write_slice
 
@@ -301,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     pipeline_args(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="measure the split's cost against the unsplit model, in one run")
+    p.add_argument("--json", help="also write the figures as JSON here")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("slice", help="write the GGUF of one layer range")
     p.add_argument("model")

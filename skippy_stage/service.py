@@ -71,12 +71,20 @@ def _abort(context: grpc.ServicerContext, exc: SkippyError) -> None:
 
 
 def _unary(handler: Callable) -> Callable:
+    """Map domain errors to status codes and count every call by RPC and code."""
+    rpc = handler.__name__
+
     @functools.wraps(handler)
     def wrapper(self: StageServicer, request, context):  # noqa: ANN001
         try:
-            return handler(self, request, context)
+            response = handler(self, request, context)
         except SkippyError as exc:
+            code, _ = status_for(exc)
+            self.stage.metrics.requests(rpc=rpc, code=code.name).inc()
+            log.debug("rpc refused", stage_id=self.stage.config.stage_id, rpc=rpc, code=code.name, error=str(exc))
             _abort(context, exc)
+        self.stage.metrics.requests(rpc=rpc, code="OK").inc()
+        return response
     return wrapper
 
 
@@ -92,6 +100,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         with self._generator_lock:
             if self._generator is None:
                 self._generator = Generator(self.stage)
+                self.stage.metrics.gauge_from("queue_depth", self._generator.scheduler.queue_depth)
             return self._generator
 
     def close(self) -> None:
@@ -151,6 +160,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              finish=event.reason, seconds=round(elapsed, 3),
                              first_token_s=round(first_token_s or elapsed, 3))
+                    self.stage.metrics.requests(rpc="Generate", code="OK").inc()
                     yield pb.GenerateResponse(done=True, finish_reason=reason, prompt_tokens=event.prompt_tokens,
                                               completion_tokens=event.completion_tokens, session_id=event.session_id)
                 else:
@@ -158,6 +168,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
                         first_token_s = time.perf_counter() - started
                     yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids)
         except SkippyError as exc:
+            code, _ = status_for(exc)
+            self.stage.metrics.requests(rpc="Generate", code=code.name).inc()
+            log.info("generate refused", stage_id=self.stage.config.stage_id, code=code.name, error=str(exc))
             _abort(context, exc)
 
 
@@ -243,6 +256,8 @@ class StageServer:
     def start(self) -> None:
         self.server.start()
         self._monitor.start()
+        if self.config.metrics_port is not None:
+            self.stage.metrics.serve_http(self.config.metrics_port)
 
     def load(self) -> None:
         self.stage.load()

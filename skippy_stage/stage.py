@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -18,12 +19,17 @@ import structlog
 from skippy_stage.config import StageConfig
 from skippy_stage.downstream import DownstreamClient, HealthProbe
 from skippy_stage.errors import DownstreamError, InvalidRequestError, UnknownSessionError
-from skippy_stage.messages import StageShape, entries_from_request, forward_request, response_from_results
+from skippy_stage.messages import PB_TO_DTYPE, StageShape, entries_from_request, forward_request, response_from_results
+from skippy_stage.metrics import StageMetrics
 from skippy_stage.runtime import StageRuntime
 from skippy_stage.slicing import read_model_info
 from skippy_stage.v1 import stage_pb2 as pb
 
 log = structlog.get_logger("skippy_stage.stage")
+
+
+def _codec(request: pb.IterationBatchRequest) -> str:
+    return PB_TO_DTYPE.get(request.frame.descriptor.dtype, "unknown")
 
 
 class StageState(enum.Enum):
@@ -70,6 +76,7 @@ class Stage:
             else None
         )
         self.downstream_health = HealthProbe(config.downstream is None, "not probed yet")
+        self.metrics = StageMetrics(config.stage_id)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -97,6 +104,11 @@ class Stage:
             wire_dtype=self.config.wire_dtype,
         )
         self.runtime = runtime
+        m = self.metrics
+        m.gauge_from("lanes_active", lambda: runtime.stats().active_sessions)
+        m.gauge_from("lanes_idle", lambda: runtime.stats().idle_lanes)
+        m.gauge_from("kv_cells_used", lambda: runtime.stats().total_session_tokens)
+        m.gauge_from("kv_cells_total", lambda: runtime.stats().kv_pool_tokens)
         self.transition(StageState.SERVING)
 
     @property
@@ -128,13 +140,26 @@ class Stage:
         runtime = self.require_runtime()
         entries = entries_from_request(request, self.shape)
         self._check_reply_fits(request, runtime.n_vocab)
+        m = self.metrics
+        if request.HasField("frame"):
+            m.activation_bytes.labels("received", _codec(request)).inc(
+                len(request.frame.payload))
+        started = time.perf_counter()
         results = runtime.run_batch(entries)
+        m.compute_seconds.observe(time.perf_counter() - started)
+        m.batch_entries.observe(len(entries))
+        m.batch_tokens.observe(sum(len(e.positions) for e in request.entries))
         if self.downstream is None:
             return response_from_results(results, self.config.stage_id)
         forward = forward_request(request, results, self.shape)
+        m.activation_bytes.labels("sent", self.shape.wire_dtype).inc(len(forward.frame.payload))
+        started = time.perf_counter()
         try:
-            return self.downstream.forward(forward, remaining_s)
+            response = self.downstream.forward(forward, remaining_s)
+            m.hop_seconds.observe(time.perf_counter() - started)
+            return response
         except DownstreamError as exc:
+            m.forward_failures.labels(exc.stage_id).inc()
             sessions = [e.session_id for e in entries]
             self.free_sessions(sessions)
             self._drop_below(sessions)

@@ -37,7 +37,8 @@ def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
     """Start ``serve`` processes for a split on loopback; every one is stopped at the end.
 
-    Returns a function ``(model, ranges, **config_overrides) -> LocalPipeline``.
+    Returns a function ``(model, ranges, **config_overrides) -> LocalPipeline``; an
+    override given as a list holds one value per stage.
     """
     from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
 
@@ -46,7 +47,12 @@ def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
     def start(model: Path, ranges: list[tuple[int, int]], **extra: object) -> LocalPipeline:
         ports = _free_ports("127.0.0.1", len(ranges))
         extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, **extra}
-        configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra=extra)
+        shared = {k: v for k, v in extra.items() if not isinstance(v, list)}
+        configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra=shared)
+        for key, values in extra.items():
+            if isinstance(values, list):
+                for cfg, value in zip(configs, values):
+                    cfg[key] = value
         pipeline = LocalPipeline(configs, tmp_path_factory.mktemp("pipeline"))
         started.append(pipeline)
         pipeline.wait_serving(180)

@@ -1,0 +1,244 @@
+"""``skippy-stage bench``: what a split costs, as ratios against the unsplit model, in one run.
+
+Everything runs here, now, on the packaged SmolLM2: the single-process llama-cpp-python
+baseline and real pipelines of ``serve`` processes on loopback, with the same thread
+budget on both sides (all cores for the single process; cores / stages per stage). The
+numbers are reported, never asserted: machines are noisy, so only same-run ratios mean
+anything.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from skippy_stage import wire
+from skippy_stage.cli import LocalPipeline, _free_ports, _generate, pipeline_configs
+from skippy_stage.config import StageConfig
+from skippy_stage.models import smollm2_path
+from skippy_stage.runtime import BatchEntry, StageRuntime
+
+DECODE_TOKENS = 128
+AGG_TOKENS = 64
+PREFILL_TOKENS = 512
+CONCURRENCY = (1, 4, 8)
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
+def _long_prompt(runtime: StageRuntime, n_tokens: int) -> tuple[str, list[int]]:
+    paragraph = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. "
+                 "Over centuries, towers of stone replaced the fires, and lenses replaced the open flame. ")
+    text = paragraph
+    while len(runtime.tokenize(text)) < n_tokens:
+        text += paragraph
+    tokens = runtime.tokenize(text)[:n_tokens]
+    return text, tokens
+
+
+def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, object]:
+    """The unsplit model in this process: llama-cpp-python's Llama and batched low-level decode."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(model), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    tokens = llm.tokenize(PROMPT.encode())
+    llm.eval(tokens)
+    started = time.perf_counter()
+    n = 0
+    for _ in llm.generate(tokens, temp=0.0, reset=True):
+        n += 1
+        if n == 1:
+            started = time.perf_counter()  # from the first sampled token: decode only
+        if n == DECODE_TOKENS + 1:
+            break
+    ms_per_token = (time.perf_counter() - started) / DECODE_TOKENS * 1e3
+    llm.close()
+
+    cfg = StageConfig(model_path=str(model), stage_id="single", stage_index=0, layer_start=0, layer_end=30,
+                      n_threads=threads, lane_count=8, ctx_size=8192, n_batch=512, n_ubatch=512, cache_dir=cache_dir)
+    runtime = StageRuntime(cfg)
+    _, long_tokens = _long_prompt(runtime, PREFILL_TOKENS)
+    started = time.perf_counter()
+    runtime.run_batch([BatchEntry("prefill", np.arange(PREFILL_TOKENS), token_ids=long_tokens, sample=True)])
+    prefill_tps = PREFILL_TOKENS / (time.perf_counter() - started)
+    runtime.drop_session("prefill")
+
+    aggregate = {}
+    prompt = runtime.tokenize(PROMPT)
+    for c in CONCURRENCY:
+        sessions = [f"s{i}" for i in range(c)]
+        started = time.perf_counter()
+        results = runtime.run_batch([BatchEntry(s, np.arange(len(prompt)), token_ids=prompt, sample=True)
+                                     for s in sessions])
+        last = {r.session_id: r.token for r in results}
+        pos = len(prompt)
+        for _ in range(AGG_TOKENS - 1):
+            results = runtime.run_batch([BatchEntry(s, [pos], token_ids=[last[s]], sample=True) for s in sessions])
+            last = {r.session_id: r.token for r in results}
+            pos += 1
+        aggregate[str(c)] = c * AGG_TOKENS / (time.perf_counter() - started)
+        for s in sessions:
+            runtime.drop_session(s)
+    runtime.close()
+    return {"ms_per_token": ms_per_token, "prefill_tps": prefill_tps, "aggregate": aggregate}
+
+
+def stage_threads(n_stages: int) -> int:
+    """llama.cpp threads per local stage; SKIPPY_BENCH_STAGE_THREADS overrides (for experiments)."""
+    override = os.environ.get("SKIPPY_BENCH_STAGE_THREADS")
+    return int(override) if override else max(1, (os.cpu_count() or 1) // n_stages)
+
+
+class _Pipeline:
+    def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str) -> None:
+        threads = stage_threads(len(ranges))
+        ports = _free_ports("127.0.0.1", len(ranges))
+        configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
+            "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 2, "cache_dir": cache_dir,
+        })
+        self.local = LocalPipeline(configs, workdir)
+        self.local.wait_serving(300)
+        self.endpoint = self.local.head_endpoint
+
+    def generate(self, prompt: str, max_tokens: int) -> dict[str, float]:
+        return _generate(self.endpoint, prompt, max_tokens=max_tokens, temperature=0.0, seed=None, chat=False,
+                         out=io.StringIO())
+
+    def stop(self) -> None:
+        self.local.stop()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float]]:
+    """Single-stream ms/token, and each stage's CPU ms per token over the same run.
+
+    A stage computes about a third of the model per token; CPU far above that means its
+    threads spin while it waits, stealing cores from the stage that has work.
+    """
+    pipeline.generate(PROMPT, 8)  # warm the path
+    pids = [p.pid for p in pipeline.local.procs]
+    before = [_cpu_seconds(pid) for pid in pids]
+    figures = pipeline.generate(PROMPT, DECODE_TOKENS + 1)
+    after = [_cpu_seconds(pid) for pid in pids]
+    n = figures["completion_tokens"]
+    return 1e3 / figures["tokens_per_s"], [(a - b) / n * 1e3 for a, b in zip(after, before)]
+
+
+def _aggregate(pipeline: _Pipeline, concurrency: int) -> float:
+    results: list[dict[str, float]] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        figures = pipeline.generate(PROMPT, AGG_TOKENS)
+        with lock:
+            results.append(figures)
+
+    threads = [threading.Thread(target=one) for _ in range(concurrency)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    return sum(r["completion_tokens"] for r in results) / elapsed
+
+
+def run(json_path: str | None = None) -> dict[str, object]:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    model = smollm2_path()
+    cores = os.cpu_count() or 1
+    report: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="skippy-bench-") as tmp:
+        cache_dir = str(Path(tmp) / "slices")
+        single = single_process(model, cores, cache_dir)
+        report["single_process_ms_per_token"] = single["ms_per_token"]
+        pipelines_ms: dict[str, float] = {}
+        stage_cpu: dict[str, list[float]] = {}
+        prefill: dict[str, float] = {"single_process": single["prefill_tps"]}
+        aggregate: dict[str, dict[str, float]] = {"single_process": single["aggregate"], "pipeline": {}}
+        for n, ranges in (("2", [(0, 15), (15, 30)]), ("3", [(0, 10), (10, 20), (20, 30)])):
+            pipeline = _Pipeline(model, ranges, Path(tmp), cache_dir)
+            try:
+                pipelines_ms[n], stage_cpu[n] = _decode_ms(pipeline)
+                if n == "3":
+                    for c in CONCURRENCY:
+                        aggregate["pipeline"][str(c)] = _aggregate(pipeline, c)
+                    runtime_text = _prefill_prompt(model, cache_dir)
+                    pipeline.generate(runtime_text, 1)  # warm
+                    figures = pipeline.generate(runtime_text, 1)
+                    prefill["pipeline"] = PREFILL_TOKENS / figures["ttft_s"]
+            finally:
+                pipeline.stop()
+        report["pipeline_ms_per_token"] = pipelines_ms
+        report["stage_cpu_ms_per_token"] = stage_cpu
+        report["per_hop_overhead_us"] = (pipelines_ms["3"] - single["ms_per_token"]) / 2 * 1e3
+        report["aggregate_tokens_per_s"] = aggregate
+        report["prefill_tokens_per_s"] = prefill
+        report["wire_bytes_per_token"] = {d: wire.payload_size(d, 1, 576) for d in wire.DTYPES}
+        report["ratios"] = {
+            "decode_2_stage": single["ms_per_token"] / pipelines_ms["2"],
+            "decode_3_stage": single["ms_per_token"] / pipelines_ms["3"],
+            "aggregate_8_vs_single_batched_8": aggregate["pipeline"]["8"] / aggregate["single_process"]["8"],
+            "aggregate_8_vs_pipeline_1": aggregate["pipeline"]["8"] / aggregate["pipeline"]["1"],
+            "prefill_512": prefill["pipeline"] / prefill["single_process"],
+        }
+        report["conditions"] = {"cores": cores, "model": model.name, "decode_tokens": DECODE_TOKENS,
+                                "aggregate_tokens_per_session": AGG_TOKENS, "prefill_tokens": PREFILL_TOKENS,
+                                "pipeline_threads_per_stage": {"2": stage_threads(2), "3": stage_threads(3)},
+                                "single_process_threads": cores}
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _prefill_prompt(model: Path, cache_dir: str) -> str:
+    """A text of exactly PREFILL_TOKENS tokens for the head's tokenizer."""
+    cfg = StageConfig(model_path=str(model), stage_id="tok", stage_index=0, layer_start=0, layer_end=30,
+                      lane_count=1, ctx_size=1024, cache_dir=cache_dir, n_threads=1)
+    runtime = StageRuntime(cfg)
+    try:
+        text, _ = _long_prompt(runtime, PREFILL_TOKENS)
+        while len(runtime.tokenize(text)) > PREFILL_TOKENS:
+            text = text[:-1]
+        return text
+    finally:
+        runtime.close()
+
+
+def format_table(report: dict[str, object]) -> str:
+    r = report
+    ratios = r["ratios"]
+    agg = r["aggregate_tokens_per_s"]
+    lines = [
+        f"{'measure':44} {'pipeline':>12} {'single':>12} {'ratio':>8} {'target':>8}",
+        f"{'decode ms/token, 2 stages':44} {r['pipeline_ms_per_token']['2']:12.2f} "
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_2_stage']:8.2f} {'>=0.92':>8}",
+        f"{'decode ms/token, 3 stages':44} {r['pipeline_ms_per_token']['3']:12.2f} "
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_3_stage']:8.2f} {'>=0.85':>8}",
+        f"{'per-hop overhead (us)':44} {r['per_hop_overhead_us']:12.0f} {'':>12} {'':>8} {'<=300':>8}",
+    ]
+    for c in ("1", "4", "8"):
+        lines.append(f"{'aggregate tok/s, concurrency ' + c:44} {agg['pipeline'][c]:12.1f} "
+                     f"{agg['single_process'][c]:12.1f} {agg['pipeline'][c] / agg['single_process'][c]:8.2f}"
+                     f" {'>=0.8' if c == '8' else '':>8}")
+    lines.append(f"{'aggregate 8 vs pipeline 1':44} {'':>12} {'':>12} {ratios['aggregate_8_vs_pipeline_1']:8.2f} {'>=1.5':>8}")
+    p = r["prefill_tokens_per_s"]
+    lines.append(f"{'prefill tok/s, 512-token prompt':44} {p['pipeline']:12.1f} {p['single_process']:12.1f} "
+                 f"{ratios['prefill_512']:8.2f} {'>=0.9':>8}")
+    for n, cpu in r["stage_cpu_ms_per_token"].items():
+        lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
+    lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one stage, on their own registry and (optionally) their own port.
+
+Counters and histograms are updated on the batch path; lane, KV and queue gauges are read
+from their owners at scrape time, so there is no second copy of that state to drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_ENTRY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class StageMetrics:
+    def __init__(self, stage_id: str) -> None:
+        self.registry = CollectorRegistry()
+        r, s = self.registry, {"stage_id": stage_id}
+        self.requests = Counter("skippy_requests", "RPCs handled, by method and status code", ["rpc", "code"],
+                                registry=r).labels  # type: ignore[assignment]
+        self.batch_entries = Histogram("skippy_batch_entries", "Sessions (entries) per batch", buckets=_ENTRY_BUCKETS,
+                                       registry=r)
+        self.batch_tokens = Histogram("skippy_batch_tokens", "Tokens per batch", buckets=_TOKEN_BUCKETS, registry=r)
+        self.compute_seconds = Histogram("skippy_compute_seconds", "Seconds spent in this stage's layers per batch",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.hop_seconds = Histogram("skippy_forward_hop_seconds",
+                                     "Seconds from sending a frame downstream to its answer (everything below)",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.activation_bytes = Counter("skippy_activation_bytes", "Activation payload bytes, by direction and codec",
+                                        ["direction", "codec"], registry=r)
+        self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",
+                                        ["failed_stage"], registry=r)
+        self._gauges = {
+            name: Gauge(f"skippy_{name}", doc, registry=r)
+            for name, doc in (
+                ("lanes_active", "Lanes bound to a session"),
+                ("lanes_idle", "Reset lanes kept warm in the idle pool"),
+                ("kv_cells_used", "KV cells held by sessions"),
+                ("kv_cells_total", "KV cells in the pool admission counts against"),
+                ("queue_depth", "Sessions waiting for admission at the head"),
+            )
+        }
+        self.info = Gauge("skippy_stage_info", "Identity of this stage", ["stage_id"], registry=r).labels(**s)
+        self.info.set(1)
+
+    def gauge_from(self, name: str, read: Callable[[], float]) -> None:
+        """Read a gauge from its owner at scrape time."""
+        self._gauges[name].set_function(read)
+
+    def serve_http(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

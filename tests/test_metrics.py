@@ -1,0 +1,51 @@
+"""Each stage exposes Prometheus metrics on its own port: requests by RPC and code, batch
+sizes, compute time, forward-hop latency, lanes and KV cells, queue depth, activation bytes."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+from skippy_stage.cli import _free_ports
+from test_pipeline import grpc_generate
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The sample ``name`` whose labels include ``labels`` (Prometheus text format)."""
+    for line in text.splitlines():
+        match = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(3))
+    raise AssertionError(f"{name} {labels} not in metrics:\n{text}")
+
+
+def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pipeline):
+    metrics_ports = _free_ports("127.0.0.1", 2)
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=metrics_ports)
+    try:
+        text, last = grpc_generate(pipeline.head_endpoint, "The capital of France is", 8)
+        assert last.done
+        m = scrape(metrics_ports[0])
+        assert value(m, "skippy_requests_total", rpc="Generate", code="OK") == 1
+        assert value(m, "skippy_batch_tokens_count") >= 8
+        assert value(m, "skippy_compute_seconds_count") >= 8
+        assert value(m, "skippy_forward_hop_seconds_count") >= 8
+        assert value(m, "skippy_activation_bytes_total", direction="sent", codec="f32") >= 8 * 576 * 4
+        assert value(m, "skippy_kv_cells_total") == 2048
+        assert value(m, "skippy_lanes_active") == 0
+        assert value(m, "skippy_queue_depth") == 0
+        below = scrape(metrics_ports[1])
+        assert value(below, "skippy_activation_bytes_total", direction="received", codec="f32") >= 8 * 576 * 4
+        assert value(below, "skippy_requests_total", rpc="ActivationFrame", code="OK") >= 8
+        print("sample of the head's metrics:\n" + "\n".join(
+            line for line in m.splitlines() if line.startswith("skippy_") and "bucket" not in line))
+    finally:
+        pipeline.stop()

@@ -1,0 +1,430 @@
+"""Scheduler: the head's bookkeeping of shared batches, admission and session release.
+
+The chain of stages below the head is not under test here: a fake step samples a
+deterministic token for every entry that asks for one (``token_at(session, position)``)
+and records each request it received; the drop action records which sessions were freed.
+A gate on the fake step holds a batch "on the wire", so tests decide exactly which tasks
+are waiting when the scheduler next looks at its queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable
+
+import pytest
+
+from skippy_stage.errors import CapacityError, DownstreamError, SkippyError
+from skippy_stage.scheduler import End, Failed, Scheduler, SchedulerLimits, Task
+from skippy_stage.v1 import stage_pb2 as pb
+
+EOG = 1  # the fake model's end-of-generation token; token_at never returns it
+WAIT_S = 2.0  # longest any test waits for one event
+
+
+def token_at(session_id: str, position: int) -> int:
+    """The token the fake model puts at ``position`` of ``session_id``."""
+    return 100 + (zlib.crc32(session_id.encode()) + 7 * position) % 1000
+
+
+class FakeChain:
+    """Stands in for the stages below the head: answers steps, records steps and drops."""
+
+    def __init__(self, *, eog_at: dict[str, int] | None = None, delay_s: float = 0.0,
+                 fail: Callable[[pb.IterationBatchRequest], SkippyError | None] | None = None) -> None:
+        self.requests: list[pb.IterationBatchRequest] = []
+        self.drops: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.eog_at = eog_at or {}
+        self.delay_s = delay_s
+        self.fail = fail
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._arrived: queue.SimpleQueue[pb.IterationBatchRequest] = queue.SimpleQueue()
+        self._dropped: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+
+    def step(self, request: pb.IterationBatchRequest, timeout_s: float) -> pb.IterationBatchResponse:
+        with self._lock:
+            self.requests.append(request)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self._arrived.put(request)
+        try:
+            if not self.gate.wait(WAIT_S):
+                raise DownstreamError("the test never opened the gate", stage_id="fake")
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            error = self.fail(request) if self.fail is not None else None
+            if error is not None:
+                raise error
+            return pb.IterationBatchResponse(outputs=[self._output(e) for e in request.entries],
+                                             final_stage_id="fake-final")
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _output(self, entry: pb.BatchEntry) -> pb.EntryOutput:
+        out = pb.EntryOutput(session_id=entry.session_id)
+        if entry.sample_last:
+            position = entry.positions[-1] + 1
+            out.has_token = True
+            out.token = EOG if self.eog_at.get(entry.session_id) == position else token_at(entry.session_id, position)
+        return out
+
+    def drop(self, session_id: str) -> None:
+        with self._lock:
+            self.drops.append(session_id)
+        self._dropped.put(session_id)
+
+    def next_request(self, timeout: float = WAIT_S) -> pb.IterationBatchRequest:
+        """The next request to reach the fake (raises queue.Empty if none arrives in time)."""
+        return self._arrived.get(timeout=timeout)
+
+    def wait_dropped(self, *session_ids: str) -> None:
+        seen: set[str] = set()
+        deadline = time.monotonic() + WAIT_S
+        while not set(session_ids) <= seen:
+            seen.add(self._dropped.get(timeout=max(0.01, deadline - time.monotonic())))
+
+    def sessions_per_request(self) -> list[set[str]]:
+        with self._lock:
+            return [{e.session_id for e in r.entries} for r in self.requests]
+
+
+@pytest.fixture
+def make_scheduler():
+    """``(chain, **limits) -> Scheduler`` over the fake chain; every one is closed afterwards."""
+    made: list[tuple[Scheduler, FakeChain]] = []
+
+    def make(chain: FakeChain, **limits: object) -> Scheduler:
+        values: dict[str, object] = dict(lane_count=4, kv_pool_tokens=100_000, max_context=10_000, n_batch=512,
+                                         n_ubatch=512, step_timeout_s=WAIT_S)
+        values.update(limits)
+        scheduler = Scheduler(SchedulerLimits(**values), step=chain.step, drop=chain.drop,
+                              is_eog=lambda token: token == EOG)
+        made.append((scheduler, chain))
+        return scheduler
+
+    yield make
+    for scheduler, chain in made:
+        chain.gate.set()
+        scheduler.close()
+
+
+def make_task(session_id: str, prompt_len: int, max_tokens: int) -> Task:
+    return Task(session_id=session_id, prompt=list(range(10, 10 + prompt_len)), sampling=pb.SamplingParams(),
+                max_tokens=max_tokens)
+
+
+def outcome(task: Task) -> tuple[list[int], End | Failed]:
+    """Every token the task streamed, and the event that ended it."""
+    tokens: list[int] = []
+    while True:
+        event = task.events.get(timeout=WAIT_S)
+        if isinstance(event, (End, Failed)):
+            return tokens, event
+        tokens.append(event)
+
+
+def expected_tokens(task: Task, n: int | None = None) -> list[int]:
+    n = task.max_tokens if n is None else n
+    return [token_at(task.session_id, len(task.prompt) + i) for i in range(n)]
+
+
+def layout(request: pb.IterationBatchRequest) -> list[tuple[str, str]]:
+    return [(e.session_id, "decode" if e.phase == pb.PHASE_DECODE else "prefill") for e in request.entries]
+
+
+# -- shared batches ------------------------------------------------------------------
+
+
+def test_active_sessions_advance_together_in_one_request_per_step_decodes_first(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain)
+    a = make_task("a", 3, 4)
+    scheduler.submit(a)
+    assert layout(chain.next_request()) == [("a", "prefill")]
+    b, c = make_task("b", 2, 4), make_task("c", 2, 4)
+    scheduler.submit(b)
+    scheduler.submit(c)
+    chain.gate.set()
+
+    for task in (a, b, c):
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    chain.wait_dropped("a", "b", "c")
+    assert [layout(r) for r in chain.requests] == [
+        [("a", "prefill")],
+        [("a", "decode"), ("b", "prefill"), ("c", "prefill")],
+        [("a", "decode"), ("b", "decode"), ("c", "decode")],
+        [("a", "decode"), ("b", "decode"), ("c", "decode")],
+        [("b", "decode"), ("c", "decode")],
+    ]
+    assert len({r.request_id for r in chain.requests}) == len(chain.requests)
+    for request in chain.requests:
+        for entry in request.entries:
+            if entry.phase == pb.PHASE_DECODE:
+                # A decode feeds back the token sampled for this very position.
+                assert list(entry.token_ids) == [token_at(entry.session_id, entry.positions[0])]
+                assert entry.sample_last
+    assert scheduler.steps == 5
+
+
+def test_prompts_are_prefilled_in_n_ubatch_chunks_within_the_n_batch_budget(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, n_ubatch=4, n_batch=6)
+    a = make_task("a", 10, 2)
+    scheduler.submit(a)
+    chain.next_request()
+    b = make_task("b", 6, 2)
+    scheduler.submit(b)
+    chain.gate.set()
+
+    assert outcome(a) == (expected_tokens(a), End("length"))
+    assert outcome(b) == (expected_tokens(b), End("length"))
+    chain.wait_dropped("a", "b")
+    steps = [[(e.session_id, list(e.positions), e.sample_last) for e in r.entries] for r in chain.requests]
+    assert steps == [
+        [("a", [0, 1, 2, 3], False)],
+        [("a", [4, 5, 6, 7], False), ("b", [0, 1], False)],  # b gets what is left of the budget
+        [("a", [8, 9], True), ("b", [2, 3, 4, 5], True)],  # only a prompt's last chunk samples
+        [("a", [10], True), ("b", [6], True)],
+    ]
+    prompts = {"a": a.prompt, "b": b.prompt}
+    for request in chain.requests:
+        assert sum(len(e.positions) for e in request.entries) <= 6
+        for entry in request.entries:
+            if entry.phase == pb.PHASE_PREFILL:
+                assert list(entry.token_ids) == prompts[entry.session_id][entry.positions[0] : entry.positions[-1] + 1]
+
+
+# -- how a task ends -----------------------------------------------------------------
+
+
+def test_a_task_ends_with_length_after_max_tokens_and_its_session_is_dropped_once(make_scheduler):
+    chain = FakeChain()
+    scheduler = make_scheduler(chain)
+    task = make_task("x", 5, 3)
+    scheduler.submit(task)
+    assert outcome(task) == (expected_tokens(task), End("length"))
+    chain.wait_dropped("x")
+    assert chain.drops == ["x"]
+    assert scheduler.active() == 0
+    assert len(chain.requests) == 3  # one prefill, two decodes
+
+
+def test_a_task_ends_with_stop_on_an_end_of_generation_token_which_is_not_streamed(make_scheduler):
+    chain = FakeChain(eog_at={"x": 5 + 2})
+    scheduler = make_scheduler(chain)
+    task = make_task("x", 5, 10)
+    scheduler.submit(task)
+    assert outcome(task) == (expected_tokens(task, 2), End("stop"))
+    chain.wait_dropped("x")
+    assert chain.drops == ["x"]
+    assert scheduler.active() == 0
+
+
+def test_a_task_ends_with_length_when_its_session_fills_max_context(make_scheduler):
+    chain = FakeChain()
+    scheduler = make_scheduler(chain, max_context=8)
+    task = make_task("x", 5, 100)
+    scheduler.submit(task)
+    assert outcome(task) == (expected_tokens(task, 3), End("length"))
+    chain.wait_dropped("x")
+    assert max(max(e.positions) for r in chain.requests for e in r.entries) < 8
+
+
+# -- admission -----------------------------------------------------------------------
+
+
+def test_a_full_admission_queue_refuses_with_a_retry_hint(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=1, max_queue=1)
+    running, waiting = make_task("running", 2, 2), make_task("waiting", 2, 2)
+    scheduler.submit(running)
+    chain.next_request()  # admitted: the only lane is taken
+    scheduler.submit(waiting)
+    assert scheduler.queue_depth() == 1
+    with pytest.raises(CapacityError, match="retry after"):
+        scheduler.submit(make_task("refused", 2, 2))
+    chain.gate.set()
+
+    assert outcome(running) == (expected_tokens(running), End("length"))
+    assert outcome(waiting) == (expected_tokens(waiting), End("length"))
+    chain.wait_dropped("running", "waiting")
+    assert all(len(s) == 1 for s in chain.sessions_per_request())  # one lane: never together
+    assert "refused" not in chain.drops
+
+
+def test_a_task_waiting_longer_than_max_queue_wait_fails_naming_the_wait(make_scheduler):
+    chain = FakeChain(delay_s=0.005)
+    scheduler = make_scheduler(chain, lane_count=1, max_queue_wait_s=0.2)
+    running, waiting = make_task("running", 2, 1_000_000), make_task("waiting", 2, 2)
+    scheduler.submit(running)
+    chain.next_request()
+    submitted = time.monotonic()
+    scheduler.submit(waiting)
+
+    tokens, event = outcome(waiting)
+    waited = time.monotonic() - submitted
+    assert tokens == []
+    assert isinstance(event, Failed) and isinstance(event.error, CapacityError)
+    message = str(event.error)
+    assert "waited" in message and "admission_wait_s=0.2" in message and "retry after" in message
+    assert 0.2 <= waited < 1.5
+    running.cancel()
+    chain.wait_dropped("running")
+    assert "waiting" not in set().union(*chain.sessions_per_request())
+    assert "waiting" not in chain.drops  # it never held a session
+
+
+@pytest.mark.parametrize(("kv_pool_tokens", "together"), [(39, False), (40, True)], ids=["pool-too-small", "pool-fits"])
+def test_a_task_whose_kv_reservation_does_not_fit_waits_for_the_pool(make_scheduler, kv_pool_tokens, together):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=4, kv_pool_tokens=kv_pool_tokens)
+    first, second = make_task("first", 10, 10), make_task("second", 10, 10)  # 20 KV cells each
+    scheduler.submit(first)
+    chain.next_request()
+    scheduler.submit(second)
+    chain.gate.set()
+
+    assert outcome(first) == (expected_tokens(first), End("length"))
+    assert outcome(second) == (expected_tokens(second), End("length"))
+    chain.wait_dropped("first", "second")
+    sessions = chain.sessions_per_request()
+    if together:
+        assert {"first", "second"} in sessions
+    else:
+        last_first = max(i for i, s in enumerate(sessions) if "first" in s)
+        first_second = min(i for i, s in enumerate(sessions) if "second" in s)
+        assert last_first < first_second
+
+
+def test_a_cancelled_waiting_task_is_skipped_without_a_session(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=1)
+    running, waiting = make_task("running", 2, 2), make_task("waiting", 2, 2)
+    scheduler.submit(running)
+    chain.next_request()
+    scheduler.submit(waiting)
+    waiting.cancel()
+    chain.gate.set()
+
+    assert outcome(running) == (expected_tokens(running), End("length"))
+    chain.wait_dropped("running")
+    assert "waiting" not in set().union(*chain.sessions_per_request())
+    assert "waiting" not in chain.drops
+    assert scheduler.queue_depth() == 0
+
+
+# -- failure and cancellation --------------------------------------------------------
+
+
+def test_a_failed_step_fails_every_task_of_its_batch_and_drops_their_sessions(make_scheduler):
+    error = DownstreamError("stage stage-2 is gone", stage_id="stage-2")
+    chain = FakeChain(fail=lambda request: error if len(request.entries) == 2 else None)
+    chain.gate.clear()
+    scheduler = make_scheduler(chain)
+    a, b = make_task("a", 2, 5), make_task("b", 2, 5)
+    scheduler.submit(a)
+    chain.next_request()
+    scheduler.submit(b)
+    chain.gate.set()
+
+    assert outcome(a) == (expected_tokens(a, 1), Failed(error))
+    assert outcome(b) == ([], Failed(error))
+    chain.wait_dropped("a", "b")
+    assert sorted(chain.drops) == ["a", "b"]
+    assert scheduler.active() == 0
+    # The scheduler itself survives the failure.
+    c = make_task("c", 2, 2)
+    scheduler.submit(c)
+    assert outcome(c) == (expected_tokens(c), End("length"))
+
+
+def test_cancel_stops_a_running_task_and_drops_its_session(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain)
+    task = make_task("x", 2, 100)
+    scheduler.submit(task)
+    chain.next_request()
+    task.cancel()
+    chain.gate.set()
+
+    chain.wait_dropped("x")
+    assert chain.drops == ["x"]
+    assert scheduler.active() == 0
+    with pytest.raises(queue.Empty):
+        chain.next_request(timeout=0.2)
+    assert len(chain.requests) == 1
+
+
+# -- concurrency and shutdown --------------------------------------------------------
+
+
+def test_max_inflight_two_has_two_disjoint_groups_on_the_wire_at_once(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=2, max_inflight=2)
+    a, b = make_task("a", 2, 3), make_task("b", 2, 3)
+    scheduler.submit(a)
+    assert layout(chain.next_request()) == [("a", "prefill")]
+    scheduler.submit(b)
+    assert layout(chain.next_request()) == [("b", "prefill")]  # while a's step is still held
+    assert chain.in_flight == 2
+    chain.gate.set()
+
+    assert outcome(a) == (expected_tokens(a), End("length"))
+    assert outcome(b) == (expected_tokens(b), End("length"))
+    chain.wait_dropped("a", "b")
+    assert chain.max_in_flight == 2
+    assert all(len(s) == 1 for s in chain.sessions_per_request())
+
+
+def test_max_inflight_one_keeps_a_second_task_off_the_wire_until_the_step_returns(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=2, max_inflight=1)
+    a, b = make_task("a", 2, 3), make_task("b", 2, 3)
+    scheduler.submit(a)
+    chain.next_request()
+    scheduler.submit(b)
+    with pytest.raises(queue.Empty):
+        chain.next_request(timeout=0.2)
+    chain.gate.set()
+    assert outcome(b) == (expected_tokens(b), End("length"))
+    assert chain.max_in_flight == 1
+
+
+def test_close_fails_queued_tasks_refuses_new_ones_and_lets_admitted_ones_finish(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=1)
+    running, waiting = make_task("running", 2, 3), make_task("waiting", 2, 3)
+    scheduler.submit(running)
+    chain.next_request()
+    scheduler.submit(waiting)
+    closer = threading.Thread(target=scheduler.close)
+    closer.start()
+
+    tokens, event = outcome(waiting)
+    assert tokens == []
+    assert isinstance(event, Failed) and isinstance(event.error, CapacityError)
+    assert "shutting down" in str(event.error)
+    with pytest.raises(CapacityError, match="shutting down"):
+        scheduler.submit(make_task("late", 2, 3))
+    chain.gate.set()
+    assert outcome(running) == (expected_tokens(running), End("length"))
+    closer.join(WAIT_S)
+    assert not closer.is_alive()
+    assert "waiting" not in set().union(*chain.sessions_per_request())
