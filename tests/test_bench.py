@@ -1,0 +1,29 @@
+"""``skippy-stage bench`` runs end to end and writes every figure the issue asks for.
+
+Figures are never asserted here (machines are noisy); SKIPPY_BENCH_QUICK shrinks the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_writes_the_report_with_every_key(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "SKIPPY_BENCH_QUICK": "1"}
+    run = subprocess.run([sys.executable, "-m", "skippy_stage", "bench", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["pipeline_ms_per_token"]) == {"2", "3"}
+    assert set(report["aggregate_tokens_per_s"]["pipeline"]) == {"1", "4", "8"}
+    assert set(report["aggregate_tokens_per_s"]["single_process"]) == {"1", "4", "8"}
+    assert set(report["prefill_tokens_per_s"]) == {"pipeline", "single_process"}
+    assert report["wire_bytes_per_token"] == {"f32": 2304, "f16": 1152, "bf16": 1152, "int8": 580}
+    for key in ("single_process_ms_per_token", "per_hop_overhead_us", "ratios", "stage_cpu_ms_per_token"):
+        assert key in report
+    assert all(v > 0 for v in report["pipeline_ms_per_token"].values())
+    assert "decode ms/token, 3 stages" in run.stdout

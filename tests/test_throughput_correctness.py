@@ -1,0 +1,168 @@
+"""Throughput features keep the pipeline's answers: real ``serve`` processes, SmolLM2, 3 stages.
+
+Shared batches mix long prompts being prefilled in chunks with other sessions decoding;
+two batches travel the chain at once; the admission queue refuses with a retry hint over
+gRPC; the lossy wire codecs still carry greedy decoding to the same text. Every
+pipeline is stopped at the end of its test.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_pipeline import PROMPTS, assert_no_active_sessions, grpc_generate, reference_texts, status
+
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+RANGES = [(0, 10), (10, 20), (20, 30)]
+
+_PARAGRAPH = (
+    "The history of the lighthouse begins in the ancient world, when fires were lit on hilltops to guide "
+    "ships safely into harbour. Over the centuries these beacons became towers of stone, and later of iron, "
+    "each one taller and brighter than the last. "
+)
+# From 3 tokens to ~300 (the paragraph is ~50 tokens): with n_ubatch=64 the long ones are
+# prefilled over several steps while the short ones already decode in the same batches.
+MIXED_PROMPTS = [
+    "Hello there,",
+    "The capital of France is",
+    "def add(a, b):",
+    "Here is a short poem about the sea:\n",
+    _PARAGRAPH + "In summary,",
+    _PARAGRAPH * 2 + "Question: what guided ships before lighthouses? Answer:",
+    _PARAGRAPH * 4 + "The keeper of the lighthouse",
+    _PARAGRAPH * 6 + "Today, most lighthouses are",
+]
+
+WIRE_TOKENS = 48
+
+
+def generate_with_count(endpoint: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+    text, last = grpc_generate(endpoint, prompt, max_tokens)
+    assert last.done
+    return text, last.prompt_tokens
+
+
+def test_eight_concurrent_sessions_with_mixed_prompt_lengths_give_the_sequential_greedy_texts(smollm2, start_pipeline):
+    pipeline = start_pipeline(smollm2, RANGES, lane_count=8, n_ubatch=64, max_inflight=2, ctx_size=4096)
+    head = pipeline.head_endpoint
+    try:
+        sequential = [generate_with_count(head, p, 16) for p in MIXED_PROMPTS]
+        prompt_tokens = [n for _, n in sequential]
+        assert min(prompt_tokens) <= 3 and max(prompt_tokens) >= 290, prompt_tokens
+        assert sum(n > 64 for n in prompt_tokens) >= 3  # several prompts need more than one chunk
+
+        with ThreadPoolExecutor(max_workers=len(MIXED_PROMPTS)) as pool:
+            concurrent = list(pool.map(lambda p: generate_with_count(head, p, 16), MIXED_PROMPTS))
+
+        assert [t for t, _ in concurrent] == [t for t, _ in sequential]
+        assert len({t for t, _ in sequential}) == len(MIXED_PROMPTS)
+        assert_no_active_sessions(pipeline.configs)
+    finally:
+        pipeline.stop()
+
+
+class _Stream:
+    """A Generate consumed on its own thread: when it first streamed, how it ended."""
+
+    def __init__(self, stub: pb_grpc.StageServiceStub, prompt: str, max_tokens: int) -> None:
+        self.call = stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=60)
+        self.streaming = threading.Event()
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.error: grpc.RpcError | None = None
+        self.done = False
+        self._thread = threading.Thread(target=self._consume, daemon=True)
+        self._thread.start()
+
+    def _consume(self) -> None:
+        try:
+            for msg in self.call:
+                if msg.text:
+                    self.streaming.set()
+                self.done = self.done or msg.done
+        except grpc.RpcError as err:
+            self.error = err
+        self.ended = time.monotonic()
+        self.streaming.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "Generate neither streamed to the end nor failed"
+
+
+def test_the_admission_queue_refuses_over_grpc_with_a_retry_hint_and_the_stage_keeps_serving(
+        smollm2, start_pipeline):
+    pipeline = start_pipeline(smollm2, RANGES, lane_count=1, admission_queue=1, admission_wait_s=2)
+    head = pipeline.head_endpoint
+    channel = grpc.insecure_channel(head)
+    try:
+        stub = pb_grpc.StageServiceStub(channel)
+        # ~33 ms a token on this machine: 400 tokens keep the only lane busy far beyond the 2 s wait.
+        running = _Stream(stub, PROMPTS[1], 400)
+        assert running.streaming.wait(30) and running.error is None
+        queued = _Stream(stub, PROMPTS[0], 8)
+        time.sleep(0.5)  # let the head put it in the queue
+
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_tokens=8), timeout=10))
+        assert time.monotonic() - started < 1.0
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry after" in refused.value.details()
+
+        queued.join(10)
+        assert running.ended is None, "the long generation ended before the queued one timed out"
+        assert queued.error is not None, "the queued Generate was served although the only lane stayed busy"
+        assert queued.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        details = queued.error.details()
+        assert "waited" in details and "admission_wait_s=2" in details and "retry after" in details
+        assert 1.9 <= queued.ended - queued.started < 5.0
+
+        running.call.cancel()
+        running.join(10)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert status(head).state == "serving"
+        text, last = grpc_generate(head, PROMPTS[0], 4)  # the lane is free again
+        assert text and last.completion_tokens == 4
+        assert_no_active_sessions(pipeline.configs)
+    finally:
+        channel.close()
+        pipeline.stop()
+
+
+@pytest.fixture(scope="module")
+def wire_reference(smollm2) -> list[str]:
+    return reference_texts(smollm2, PROMPTS, WIRE_TOKENS)
+
+
+@pytest.mark.parametrize("wire_dtype", [None, "f16", "bf16"], ids=["f32-default", "f16", "bf16"])
+def test_greedy_texts_over_the_wire_codec_equal_the_unsplit_model(wire_dtype, smollm2, wire_reference, start_pipeline):
+    overrides = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
+    pipeline = start_pipeline(smollm2, RANGES, **overrides)
+    try:
+        assert [status(str(c["bind_addr"])).wire_dtype for c in pipeline.configs] == [wire_dtype or "f32"] * 3
+        texts = [grpc_generate(pipeline.head_endpoint, p, WIRE_TOKENS)[0] for p in PROMPTS]
+        assert texts == wire_reference
+        assert_no_active_sessions(pipeline.configs)
+    finally:
+        pipeline.stop()
+
+
+def test_int8_wire_codec_generates_text_without_error(smollm2, start_pipeline):
+    pipeline = start_pipeline(smollm2, RANGES, wire_dtype="int8")
+    try:
+        for prompt in PROMPTS:
+            text, last = grpc_generate(pipeline.head_endpoint, prompt, 16)
+            assert text.strip()
+            assert last.done and last.completion_tokens >= 1
+        assert_no_active_sessions(pipeline.configs)
+    finally:
+        pipeline.stop()
