@@ -139,6 +139,8 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
     # spin against each other (measured: 9 tok/s with 2 threads x 3 stages on 2 cores, 58 with 1).
     extra["n_threads"] = args.threads or max(1, (os.cpu_count() or 1) // len(ranges))
     configs = pipeline_configs(str(args.model), ranges, host=args.host, ports=ports, extra=extra)
+    if getattr(args, "http_port", None) is not None:
+        configs[0]["http_port"] = args.http_port
     pipeline = LocalPipeline(configs, workdir)
     try:
         pipeline.wait_serving(args.start_timeout)
@@ -190,6 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from skippy_stage.service import serve
 
     config = load_config(args.config)
+    if args.http_port is not None:
+        config = config.replace(http_port=args.http_port)
     logs.configure(args.log_level)
     return serve(config, grace_s=args.grace)
 
@@ -278,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run one stage daemon")
     p.add_argument("--config", required=True, help="StageConfig JSON file")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain in-flight work on SIGTERM")
+    p.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible API here (head only)")
     p.set_defaults(func=cmd_serve)
 
     def pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -291,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start one serve process per stage on loopback")
     p.add_argument("--model", required=True)
+    p.add_argument("--http-port", type=int, default=None, help="the head's OpenAI-compatible API port")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--stages", type=int)
     group.add_argument("--layers", help="e.g. 0:10,10:20,20:30")

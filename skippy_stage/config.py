@@ -111,6 +111,8 @@ class StageConfig:
     max_inflight: int = 1
     # Prometheus metrics over HTTP on this port (unset: no metrics endpoint).
     metrics_port: int | None = None
+    # OpenAI-compatible HTTP API on this port, head stage only (unset: off).
+    http_port: int | None = None
     admission_queue: int = 64
     admission_wait_s: float = 30.0
 
@@ -247,9 +249,12 @@ def _validate(cfg: StageConfig) -> None:
     _require_int(cfg, "n_threads_batch", 1, optional=True)
     _require_int(cfg, "max_message_bytes", 1024)
     _require_int(cfg, "max_inflight", 1)
-    _require_int(cfg, "metrics_port", 0, optional=True)
-    if cfg.metrics_port is not None and cfg.metrics_port > 65535:
-        raise _fail(cfg, "metrics_port", cfg.metrics_port, "must be a TCP port (0..65535)")
+    for name in ("metrics_port", "http_port"):
+        _require_int(cfg, name, 0, optional=True)
+        if getattr(cfg, name) is not None and getattr(cfg, name) > 65535:
+            raise _fail(cfg, name, getattr(cfg, name), "must be a TCP port (0..65535)")
+    if cfg.http_port is not None and cfg.layer_start != 0:
+        raise _fail(cfg, "http_port", cfg.http_port, "is served by the head stage only (layer_start=0)")
     _require_int(cfg, "admission_queue", 0)
     if cfg.max_inflight > cfg.lane_count:
         raise _fail(cfg, "max_inflight", cfg.max_inflight, f"must be <= lane_count={cfg.lane_count}")

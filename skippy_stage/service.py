@@ -203,6 +203,7 @@ class StageServer:
         self.port = self.server.add_insecure_port(config.bind_addr)
         if self.port == 0:
             raise ConfigError(f"stage {config.stage_id}: cannot bind {config.bind_addr} (port in use or address unavailable)")
+        self.http = None
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_downstream, name="downstream-health", daemon=True)
 
@@ -258,6 +259,12 @@ class StageServer:
         self._monitor.start()
         if self.config.metrics_port is not None:
             self.stage.metrics.serve_http(self.config.metrics_port)
+        if self.config.http_port is not None:
+            from skippy_stage.openai_api import OpenAIServer
+
+            host = self.config.bind_addr.rpartition(":")[0].strip("[]") or "0.0.0.0"
+            self.http = OpenAIServer(self.servicer, host=host, port=self.config.http_port)
+            self.http.start()
 
     def load(self) -> None:
         self.stage.load()
@@ -268,6 +275,8 @@ class StageServer:
         self.stage.transition(StageState.DRAINING)
         self._set_health(False)
         self._stop.set()
+        if self.http is not None:
+            self.http.stop()
         closing = threading.Thread(target=self.servicer.close, name="drain-scheduler", daemon=True)
         closing.start()
         stopped = self.server.stop(grace_s)

@@ -37,7 +37,9 @@ MIXED_PROMPTS = [
     _PARAGRAPH + "In summary,",
     _PARAGRAPH * 2 + "Question: what guided ships before lighthouses? Answer:",
     _PARAGRAPH * 4 + "The keeper of the lighthouse",
-    _PARAGRAPH * 6 + "Today, most lighthouses are",
+    # Not "... Today, most lighthouses are": its greedy path meets a near-tie at the 10th token
+    # (' unchanged' 23.10 vs '.' 23.06 in the unsplit model), where batch composition decides.
+    _PARAGRAPH * 6 + "Once upon a time,",
 ]
 
 WIRE_TOKENS = 48
