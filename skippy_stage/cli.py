@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.http_port is not None:
         config = config.replace(http_port=args.http_port)
-    logs.configure(args.log_level)
+    logs.configure(args.log_level, static={"stage_id": config.stage_id, "run_id": config.run_id})
     return serve(config, grace_s=args.grace)
 
 

@@ -111,6 +111,9 @@ class StageConfig:
     max_inflight: int = 1
     # Prometheus metrics over HTTP on this port (unset: no metrics endpoint).
     metrics_port: int | None = None
+    # A stage whose downstream has not answered within this many seconds of loading exits
+    # non-zero (its orchestrator restarts it); later outages only make it NOT_SERVING.
+    downstream_ready_timeout_s: float = 300.0
     # OpenAI-compatible HTTP API on this port, head stage only (unset: off).
     http_port: int | None = None
     admission_queue: int = 64
@@ -258,9 +261,10 @@ def _validate(cfg: StageConfig) -> None:
     _require_int(cfg, "admission_queue", 0)
     if cfg.max_inflight > cfg.lane_count:
         raise _fail(cfg, "max_inflight", cfg.max_inflight, f"must be <= lane_count={cfg.lane_count}")
-    wait = cfg.admission_wait_s
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 3600:
-        raise _fail(cfg, "admission_wait_s", wait, "must be a number of seconds in (0, 3600]")
+    for name in ("admission_wait_s", "downstream_ready_timeout_s"):
+        wait = getattr(cfg, name)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 86400:
+            raise _fail(cfg, name, wait, "must be a number of seconds in (0, 86400]")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)
     if cfg.n_ubatch > cfg.n_batch:
         raise _fail(cfg, "n_ubatch", cfg.n_ubatch, f"must be <= n_batch={cfg.n_batch}")

@@ -12,11 +12,24 @@ import sys
 import structlog
 
 
-def configure(level: str = "info", *, json: bool | None = None) -> None:
+def configure(level: str = "info", *, json: bool | None = None, static: dict[str, str] | None = None) -> None:
+    """Set up structlog for this process.
+
+    ``static`` fields (a stage's stage_id and run_id) are added to every line, from every
+    thread: gRPC handler threads do not inherit context variables.
+    """
     use_json = (not sys.stderr.isatty()) if json is None else json
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
+    fixed = dict(static or {})
+
+    def add_static(_logger: object, _method: str, event: dict) -> dict:
+        for key, value in fixed.items():
+            event.setdefault(key, value)
+        return event
+
     structlog.configure(
         processors=[
+            add_static,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -305,6 +305,17 @@ def serve(config: StageConfig, *, grace_s: float = 10.0, ready: Callable[[int], 
         server.drain(0)
         raise
     slog.info("stage loaded", port=server.port, layers=f"{config.layer_start}:{config.layer_end}")
+    deadline = time.monotonic() + config.downstream_ready_timeout_s
+    while not stop.is_set() and not server.stage.ready:
+        if time.monotonic() > deadline:
+            server.drain(0)
+            detail = server.stage.downstream_health.detail
+            raise DownstreamError(
+                f"downstream {config.downstream.stage_id} at {config.downstream.endpoint} did not become ready within "
+                f"downstream_ready_timeout_s={config.downstream_ready_timeout_s}s ({detail})",
+                stage_id=config.downstream.stage_id,
+            )
+        stop.wait(0.1)
     if ready is not None:
         ready(server.port)
     stop.wait()

@@ -1,0 +1,109 @@
+"""A stage is a good citizen of an orchestrator: clear failures at start, a clean drain.
+
+A failure at start (bad config, missing model, port in use, a downstream that never
+becomes ready) exits non-zero with one line naming the cause. On SIGTERM in-flight work
+drains within the grace period, new work is refused, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from skippy_stage.cli import _free_ports
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+
+def serve(tmp_path, config: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    path = tmp_path / "stage.json"
+    path.write_text(json.dumps(config))
+    return subprocess.run([sys.executable, "-m", "skippy_stage", "serve", "--config", str(path)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def last_line(err: str) -> str:
+    return err.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def base_config(smollm2, slice_cache):
+    port = _free_ports("127.0.0.1", 1)[0]
+    return {"model_path": str(smollm2), "stage_id": "stage-0", "stage_index": 0, "layer_start": 0,
+            "layer_end": 30, "bind_addr": f"127.0.0.1:{port}", "cache_dir": str(slice_cache), "n_threads": 1}
+
+
+def test_a_bad_config_exits_non_zero_naming_the_key(tmp_path, base_config):
+    run = serve(tmp_path, {**base_config, "lane_cout": 4})
+    assert run.returncode != 0
+    assert "lane_cout" in last_line(run.stderr)
+
+
+def test_a_missing_model_file_exits_non_zero_naming_the_path(tmp_path, base_config):
+    run = serve(tmp_path, {**base_config, "model_path": str(tmp_path / "nope.gguf")})
+    assert run.returncode != 0
+    assert "nope.gguf" in last_line(run.stderr) and "not found" in last_line(run.stderr)
+
+
+def test_a_port_in_use_exits_non_zero_naming_the_address(tmp_path, base_config):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = serve(tmp_path, {**base_config, "bind_addr": f"127.0.0.1:{port}"})
+    assert run.returncode != 0
+    assert f"127.0.0.1:{port}" in last_line(run.stderr)
+
+
+def test_a_downstream_that_never_becomes_ready_exits_non_zero_naming_it(tmp_path, base_config):
+    dead = _free_ports("127.0.0.1", 1)[0]
+    config = {**base_config, "layer_end": 15, "downstream_ready_timeout_s": 2,
+              "downstream": {"stage_id": "stage-1", "stage_index": 1, "endpoint": f"127.0.0.1:{dead}"}}
+    started = time.monotonic()
+    run = serve(tmp_path, config)
+    assert run.returncode != 0
+    assert "stage-1" in last_line(run.stderr) and "did not become ready" in last_line(run.stderr)
+    assert time.monotonic() - started < 60
+
+
+def test_sigterm_drains_the_generation_in_flight_refuses_new_ones_and_exits_zero(smollm2, start_pipeline):
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1)
+    head = pipeline.head_endpoint
+    streamed = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def generate() -> None:
+        with grpc.insecure_channel(head) as channel:
+            try:
+                for msg in pb_grpc.StageServiceStub(channel).Generate(
+                        pb.GenerateRequest(prompt="Once upon a time, there was a dragon who", max_tokens=96),
+                        timeout=60):
+                    if msg.text:
+                        streamed.set()
+                    if msg.done:
+                        outcome["done"] = msg
+            except grpc.RpcError as err:
+                outcome["error"] = err
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    assert streamed.wait(60)
+    pipeline.procs[0].send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with grpc.insecure_channel(head) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.StageServiceStub(channel).Generate(pb.GenerateRequest(prompt="Hi", max_tokens=4), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    worker.join(60)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["done"].completion_tokens == 96
+    assert pipeline.procs[0].wait(30) == 0
+    pipeline.stop()
