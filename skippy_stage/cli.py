@@ -78,15 +78,21 @@ def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, po
 class LocalPipeline:
     """``serve`` processes for a split on loopback; stopped together."""
 
-    def __init__(self, configs: list[dict[str, object]], workdir: Path) -> None:
+    def __init__(self, configs: list[dict[str, object]], workdir: Path, *, log_dir: Path | None = None) -> None:
+        """``log_dir``: write each stage's stderr to ``<stage_id>.log`` there instead of ours."""
         self.configs = configs
         self.procs: list[subprocess.Popen] = []
+        self.log_files = []
         for cfg in configs:
             path = workdir / f"{cfg['stage_id']}.json"
             path.write_text(json.dumps(cfg, indent=1))
+            stderr = None
+            if log_dir is not None:
+                stderr = (log_dir / f"{cfg['stage_id']}.log").open("w")
+                self.log_files.append(stderr)
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "skippy_stage", "serve", "--config", str(path)],
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, stderr=stderr,
             ))
 
     @property
@@ -124,6 +130,8 @@ class LocalPipeline:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for f in self.log_files:
+            f.close()
 
 
 def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:

@@ -44,7 +44,7 @@ def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
 
     started: list[LocalPipeline] = []
 
-    def start(model: Path, ranges: list[tuple[int, int]], **extra: object) -> LocalPipeline:
+    def start(model: Path, ranges: list[tuple[int, int]], log_dir: Path | None = None, **extra: object) -> LocalPipeline:
         ports = _free_ports("127.0.0.1", len(ranges))
         extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, **extra}
         shared = {k: v for k, v in extra.items() if not isinstance(v, list)}
@@ -53,7 +53,7 @@ def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
             if isinstance(values, list):
                 for cfg, value in zip(configs, values):
                     cfg[key] = value
-        pipeline = LocalPipeline(configs, tmp_path_factory.mktemp("pipeline"))
+        pipeline = LocalPipeline(configs, tmp_path_factory.mktemp("pipeline"), log_dir=log_dir)
         started.append(pipeline)
         pipeline.wait_serving(180)
         return pipeline

@@ -49,3 +49,23 @@ def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pi
             line for line in m.splitlines() if line.startswith("skippy_") and "bucket" not in line))
     finally:
         pipeline.stop()
+
+
+def test_every_log_line_names_the_stage_and_run_and_a_request_logs_once_not_per_token(smollm2, start_pipeline, tmp_path):
+    import json
+
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, run_id="run-42", log_dir=tmp_path)
+    try:
+        _, last = grpc_generate(pipeline.head_endpoint, "The capital of France is", 24)
+        session = last.session_id
+    finally:
+        pipeline.stop()
+    for stage in ("stage-0", "stage-1"):
+        lines = [json.loads(line) for line in (tmp_path / f"{stage}.log").read_text().splitlines()
+                 if line.startswith("{")]
+        assert lines and all(line["stage_id"] == stage and line["run_id"] == "run-42" for line in lines)
+    head = [json.loads(line) for line in (tmp_path / "stage-0.log").read_text().splitlines() if line.startswith("{")]
+    about_session = [line for line in head if line.get("session_id") == session and line["level"] == "info"]
+    assert [line["event"] for line in about_session if line["event"] == "generate"] == ["generate"]
+    assert len(about_session) <= 3  # one line per request, never one per token (24 tokens here)
+    print("a head log line:", json.dumps(next(line for line in about_session if line["event"] == "generate")))
