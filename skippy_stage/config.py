@@ -104,6 +104,9 @@ class StageConfig:
     downstream: PeerConfig | None = None
     cache_dir: str | None = None
     wire_dtype: str = "f32"
+    # How frames travel to the downstream: one long-lived bidirectional stream, or one
+    # unary call per frame.
+    hop_transport: str = "stream"
     # Largest gRPC message this stage sends or accepts; larger ones get RESOURCE_EXHAUSTED.
     max_message_bytes: int = 64 * 1024 * 1024
     # Head scheduler: batches in flight at once (disjoint session groups), the admission
@@ -292,6 +295,7 @@ def _validate(cfg: StageConfig) -> None:
     _require_str(cfg, "selected_device", optional=True)
     _require_str(cfg, "cache_dir", optional=True)
     _require_str(cfg, "wire_dtype", choices=WIRE_DTYPES)
+    _require_str(cfg, "hop_transport", choices=("stream", "unary"))
     _require_str(cfg, "load_mode", choices=LOAD_MODES)
     if cfg.load_mode == "layer-package":
         raise _fail(cfg, "load_mode", cfg.load_mode, "is refused: layer-package schema v1 is offline-only")

@@ -8,7 +8,11 @@ below us, or a deeper one that it named in its own error (trailing metadata
 
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import grpc
@@ -53,17 +57,99 @@ class HealthProbe:
     detail: str
 
 
+_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _HopStream:
+    """One long-lived ActivationStream to the downstream; frames are matched by hop_id.
+
+    A reader thread resolves each frame's future as its reply arrives; when the stream
+    breaks, every pending frame fails with UNAVAILABLE naming the downstream, and the next
+    frame opens a new stream.
+    """
+
+    def __init__(self, stub: pb_grpc.StageServiceStub, translate) -> None:  # noqa: ANN001
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._broken: grpc.RpcError | None = None
+        self._translate = translate
+        self._call = stub.ActivationStream(self._requests())
+        self._reader = threading.Thread(target=self._read, name="hop-stream-reader", daemon=True)
+        self._reader.start()
+
+    def _requests(self):  # noqa: ANN202
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            yield item
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                with self._lock:
+                    future = self._pending.pop(reply.hop_id, None)
+                if future is not None:
+                    future.set_result(reply)
+            error = None
+        except grpc.RpcError as err:
+            error = err
+        with self._lock:
+            self._broken = error or _StreamClosed()
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(self._broken)
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def send(self, hop: pb.HopRequest) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._broken is not None:
+                future.set_exception(self._broken)
+                return future
+            self._pending[hop.hop_id] = future
+        self._outbox.put(hop)
+        return future
+
+    def forget(self, hop_id: int) -> None:
+        with self._lock:
+            self._pending.pop(hop_id, None)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self._call.cancel()
+
+
+class _StreamClosed(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "activation stream closed"
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
 class DownstreamClient:
     """One channel to the next stage, shared by every request thread."""
 
-    def __init__(self, peer: PeerConfig, *, max_message_bytes: int, hop_timeout_s: float) -> None:
+    def __init__(self, peer: PeerConfig, *, max_message_bytes: int, hop_timeout_s: float,
+                 transport: str = "stream") -> None:
         self.peer = peer
         self.hop_timeout_s = hop_timeout_s
+        self.transport = transport
         self._channel = grpc.insecure_channel(peer.endpoint, options=channel_options(max_message_bytes))
         self._stub = pb_grpc.StageServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._closed = False
+        self._stream: _HopStream | None = None
+        self._hop_ids = itertools.count(1)
 
     def _timeout(self, remaining: float | None) -> float:
         return self.hop_timeout_s if remaining is None else max(0.001, min(remaining, self.hop_timeout_s))
@@ -87,10 +173,45 @@ class DownstreamClient:
         )
 
     def forward(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
+        if self.transport == "stream":
+            return self._forward_stream(request, remaining)
         try:
             return self._stub.ActivationFrame(request, timeout=self._timeout(remaining))
         except grpc.RpcError as err:
             raise self._translate(err) from None
+
+    def _open_stream(self) -> _HopStream:
+        with self._lock:
+            if self._stream is None or self._stream.broken:
+                if self._stream is not None:
+                    self._stream.close()
+                self._stream = _HopStream(self._stub, self._translate)
+            return self._stream
+
+    def _forward_stream(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
+        timeout = self._timeout(remaining)
+        stream = self._open_stream()
+        hop_id = next(self._hop_ids)
+        future = stream.send(pb.HopRequest(hop_id=hop_id, request=request, timeout_s=timeout))
+        try:
+            reply = future.result(timeout=timeout)
+        except FutureTimeout:
+            stream.forget(hop_id)
+            raise DownstreamError(f"stage {self.peer.stage_id} at {self.peer.endpoint} did not answer within "
+                                  f"{timeout:.3f}s", stage_id=self.peer.stage_id, code_name="DEADLINE_EXCEEDED") from None
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+        if reply.code == 0:
+            return reply.response
+        code = _CODE_BY_VALUE.get(reply.code, grpc.StatusCode.UNKNOWN)
+        if reply.failed_stage:
+            raise DownstreamError(reply.message, stage_id=reply.failed_stage,
+                                  code_name=_RELAYED_CODES.get(code, "UNAVAILABLE"))
+        if code in _RELAYED_CODES:
+            raise DownstreamError(f"stage {self.peer.stage_id}: {reply.message}", stage_id=self.peer.stage_id,
+                                  code_name=_RELAYED_CODES[code])
+        raise DownstreamError(f"stage {self.peer.stage_id} failed: {code.name}: {reply.message}",
+                              stage_id=self.peer.stage_id)
 
     def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
         try:
@@ -118,4 +239,6 @@ class DownstreamClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                if self._stream is not None:
+                    self._stream.close()
                 self._channel.close()

@@ -9,6 +9,7 @@ trailing metadata ``skippy-failed-stage`` so upstream stages relay it unchanged.
 from __future__ import annotations
 
 import functools
+import queue
 import signal
 import threading
 import time
@@ -91,6 +92,9 @@ def _unary(handler: Callable) -> Callable:
 class StageServicer(pb_grpc.StageServiceServicer):
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
+        # Frames arriving on activation streams are processed here, several at once, so a
+        # frame whose answer is still travelling the stages below does not block the next.
+        self._hop_pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hop")
         self._generator: Generator | None = None
         self._generator_lock = threading.Lock()
 
@@ -124,6 +128,46 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if not request.HasField("frame"):
             raise InvalidRequestError("frame is required in ActivationFrame")
         return self.stage.process(request, context.time_remaining())
+
+    def ActivationStream(self, request_iterator, context):  # noqa: N802
+        """Frames from the upstream neighbour, each processed on the hop pool; replies leave
+        as they finish (matched by hop_id), so a frame waiting on the stages below does not
+        hold up the next one."""
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        in_flight = threading.Semaphore(0)
+        done = object()
+
+        def handle(hop: pb.HopRequest) -> None:
+            try:
+                response = self.stage.process(hop.request, hop.timeout_s or None)
+                self.stage.metrics.requests(rpc="ActivationStream", code="OK").inc()
+                replies.put(pb.HopReply(hop_id=hop.hop_id, response=response))
+            except SkippyError as exc:
+                code, message = status_for(exc)
+                self.stage.metrics.requests(rpc="ActivationStream", code=code.name).inc()
+                failed = exc.stage_id if isinstance(exc, DownstreamError) else ""
+                replies.put(pb.HopReply(hop_id=hop.hop_id, code=code.value[0], message=message, failed_stage=failed))
+            finally:
+                in_flight.release()
+
+        def read() -> None:
+            count = 0
+            try:
+                for hop in request_iterator:
+                    count += 1
+                    self._hop_pool.submit(handle, hop)
+            except grpc.RpcError:
+                pass  # the upstream went away; finish what was started
+            for _ in range(count):
+                in_flight.acquire()
+            replies.put(done)
+
+        threading.Thread(target=read, name="activation-stream-reader", daemon=True).start()
+        while True:
+            reply = replies.get()
+            if reply is done:
+                return
+            yield reply
 
     @_unary
     def Decode(self, request, context):  # noqa: N802

@@ -71,7 +71,8 @@ class Stage:
         self._state = StageState.LOADING
         self._state_lock = threading.Lock()
         self.downstream = (
-            DownstreamClient(config.downstream, max_message_bytes=max_message_bytes, hop_timeout_s=timeouts.hop_s)
+            DownstreamClient(config.downstream, max_message_bytes=max_message_bytes, hop_timeout_s=timeouts.hop_s,
+                             transport=config.hop_transport)
             if config.downstream is not None
             else None
         )

@@ -42,7 +42,15 @@ MIXED_PROMPTS = [
     _PARAGRAPH * 6 + "Once upon a time,",
 ]
 
-WIRE_TOKENS = 48
+F32_TOKENS = 48
+# A rounded hop perturbs the next stage's logits by up to ~0.9 (llama.cpp re-quantizes the
+# activations for the Q4_1 weights, so even a 1e-5 relative change moves logits ~0.5).
+# Exact greedy equality over a lossy wire therefore holds only where every greedy step
+# wins by more than that: these prompts' smallest top-1/top-2 logit gap over 24 tokens is
+# >= 1.4 in the unsplit model. (PROMPTS do not qualify: "Here is a short poem about the
+# sea:" wins ' vast' over ' mysterious' by 0.065 at its 6th token, and f16 flips it.)
+LOSSY_PROMPTS = ["1, 2, 3, 4, 5,", "100, 200, 300,", "a, b, c, d, e,", "Count to twenty: 1, 2, 3,"]
+LOSSY_TOKENS = 24
 
 
 def generate_with_count(endpoint: str, prompt: str, max_tokens: int) -> tuple[str, int]:
@@ -141,18 +149,34 @@ def test_the_admission_queue_refuses_over_grpc_with_a_retry_hint_and_the_stage_k
 
 
 @pytest.fixture(scope="module")
-def wire_reference(smollm2) -> list[str]:
-    return reference_texts(smollm2, PROMPTS, WIRE_TOKENS)
+def f32_reference(smollm2) -> list[str]:
+    return reference_texts(smollm2, PROMPTS, F32_TOKENS)
 
 
-@pytest.mark.parametrize("wire_dtype", [None, "f16", "bf16"], ids=["f32-default", "f16", "bf16"])
-def test_greedy_texts_over_the_wire_codec_equal_the_unsplit_model(wire_dtype, smollm2, wire_reference, start_pipeline):
-    overrides = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
-    pipeline = start_pipeline(smollm2, RANGES, **overrides)
+@pytest.fixture(scope="module")
+def lossy_reference(smollm2) -> list[str]:
+    return reference_texts(smollm2, LOSSY_PROMPTS, LOSSY_TOKENS)
+
+
+def test_the_default_f32_wire_gives_exactly_the_unsplit_models_greedy_texts(smollm2, f32_reference, start_pipeline):
+    pipeline = start_pipeline(smollm2, RANGES)
     try:
-        assert [status(str(c["bind_addr"])).wire_dtype for c in pipeline.configs] == [wire_dtype or "f32"] * 3
-        texts = [grpc_generate(pipeline.head_endpoint, p, WIRE_TOKENS)[0] for p in PROMPTS]
-        assert texts == wire_reference
+        assert [status(str(c["bind_addr"])).wire_dtype for c in pipeline.configs] == ["f32"] * 3
+        texts = [grpc_generate(pipeline.head_endpoint, p, F32_TOKENS)[0] for p in PROMPTS]
+        assert texts == f32_reference
+        assert_no_active_sessions(pipeline.configs)
+    finally:
+        pipeline.stop()
+
+
+@pytest.mark.parametrize("wire_dtype", ["f16", "bf16"])
+def test_half_precision_wires_keep_the_greedy_texts_of_unambiguous_prompts(wire_dtype, smollm2, lossy_reference,
+                                                                          start_pipeline):
+    pipeline = start_pipeline(smollm2, RANGES, wire_dtype=wire_dtype)
+    try:
+        assert [status(str(c["bind_addr"])).wire_dtype for c in pipeline.configs] == [wire_dtype] * 3
+        texts = [grpc_generate(pipeline.head_endpoint, p, LOSSY_TOKENS)[0] for p in LOSSY_PROMPTS]
+        assert texts == lossy_reference
         assert_no_active_sessions(pipeline.configs)
     finally:
         pipeline.stop()

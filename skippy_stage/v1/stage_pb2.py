@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bskippy_stage/v1/stage.proto\x12\x0fskippy.stage.v1\"\xdb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1b\n\x0erepeat_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x1a\n\rrepeat_last_n\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06_top_pB\x11\n\x0f_repeat_penaltyB\x10\n\x0e_repeat_last_nB\x07\n\x05_seed\"\xca\x01\n\nBatchEntry\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05phase\x18\x02 \x01(\x0e\x32\x16.skippy.stage.v1.Phase\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x13\n\x0bsample_last\x18\x05 \x01(\x08\x12\x13\n\x0bwant_logits\x18\x06 \x01(\x08\x12\x31\n\x08sampling\x18\x07 \x01(\x0b\x32\x1f.skippy.stage.v1.SamplingParams\"\x9a\x02\n\x0f\x46rameDescriptor\x12\x0f\n\x07version\x18\x01 \x01(\r\x12%\n\x05\x64type\x18\x02 \x01(\x0e\x32\x16.skippy.stage.v1.DType\x12\'\n\x06layout\x18\x03 \x01(\x0e\x32\x17.skippy.stage.v1.Layout\x12\x1c\n\x14producer_stage_index\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x13\n\x0btoken_count\x18\x07 \x01(\r\x12\x16\n\x0esequence_count\x18\x08 \x01(\r\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\r\n\x05\x66lags\x18\n \x01(\r\x12\r\n\x05width\x18\x0b \x01(\r\"X\n\x0f\x41\x63tivationFrame\x12\x34\n\ndescriptor\x18\x01 \x01(\x0b\x32 .skippy.stage.v1.FrameDescriptor\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x8a\x01\n\x15IterationBatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x1b.skippy.stage.v1.BatchEntry\x12/\n\x05\x66rame\x18\x03 \x01(\x0b\x32 .skippy.stage.v1.ActivationFrame\"S\n\x0b\x45ntryOutput\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\thas_token\x18\x02 \x01(\x08\x12\r\n\x05token\x18\x03 \x01(\x05\x12\x0e\n\x06logits\x18\x04 \x03(\x02\"_\n\x16IterationBatchResponse\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.skippy.stage.v1.EntryOutput\x12\x16\n\x0e\x66inal_stage_id\x18\x02 \x01(\t\"\x8f\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.skippy.stage.v1.SamplingParams\x12\x13\n\x0bwant_logits\x18\x05 \x01(\x08\"/\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0e\n\x06logits\x18\x02 \x03(\x02\"(\n\x12\x44ropSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\">\n\tStageDrop\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x10\n\x08reset_ms\x18\x03 \x01(\x01\"A\n\x13\x44ropSessionResponse\x12*\n\x06stages\x18\x01 \x03(\x0b\x32\x1a.skippy.stage.v1.StageDrop\"\x12\n\x10GetStatusRequest\"J\n\x07LaneRow\x12\x0c\n\x04lane\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"\xff\x04\n\x0bStageStatus\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0btopology_id\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x13\n\x0blayer_start\x18\x07 \x01(\r\x12\x11\n\tlayer_end\x18\x08 \x01(\r\x12\x1a\n\x12include_embeddings\x18\t \x01(\x08\x12\x16\n\x0einclude_output\x18\n \x01(\x08\x12\x0e\n\x06n_embd\x18\x0b \x01(\r\x12\r\n\x05state\x18\x0c \x01(\t\x12\x12\n\nlane_count\x18\r \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0e \x01(\r\x12\x12\n\nidle_lanes\x18\x0f \x01(\r\x12\x12\n\nfree_lanes\x18\x10 \x01(\r\x12\x1a\n\x12max_session_tokens\x18\x11 \x01(\x04\x12\x1c\n\x14total_session_tokens\x18\x12 \x01(\x04\x12\x16\n\x0ekv_pool_tokens\x18\x13 \x01(\x04\x12\x19\n\x11kv_cells_per_lane\x18\x14 \x01(\x04\x12\x17\n\x0f\x64iscarded_lanes\x18\x15 \x01(\r\x12\'\n\x05lanes\x18\x16 \x03(\x0b\x32\x18.skippy.stage.v1.LaneRow\x12\x1b\n\x13\x64ownstream_stage_id\x18\x17 \x01(\t\x12\x1b\n\x13\x64ownstream_endpoint\x18\x18 \x01(\t\x12\x15\n\rdownstream_ok\x18\x19 \x01(\x08\x12\x18\n\x10\x64ownstream_error\x18\x1a \x01(\t\x12\x12\n\nwire_dtype\x18\x1b \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa6\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.skippy.stage.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.skippy.stage.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\"\xbd\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x34\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1d.skippy.stage.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x12\n\nsession_id\x18\x07 \x01(\t*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x12\x0e\n\nDTYPE_INT8\x10\x04*8\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYOUT_TOKEN_MAJOR\x10\x01*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x9b\x04\n\x0cStageService\x12\x61\n\x0eIterationBatch\x12&.skippy.stage.v1.IterationBatchRequest\x1a\'.skippy.stage.v1.IterationBatchResponse\x12I\n\x06\x44\x65\x63ode\x12\x1e.skippy.stage.v1.DecodeRequest\x1a\x1f.skippy.stage.v1.DecodeResponse\x12\x62\n\x0f\x41\x63tivationFrame\x12&.skippy.stage.v1.IterationBatchRequest\x1a\'.skippy.stage.v1.IterationBatchResponse\x12X\n\x0b\x44ropSession\x12#.skippy.stage.v1.DropSessionRequest\x1a$.skippy.stage.v1.DropSessionResponse\x12L\n\tGetStatus\x12!.skippy.stage.v1.GetStatusRequest\x1a\x1c.skippy.stage.v1.StageStatus\x12Q\n\x08Generate\x12 .skippy.stage.v1.GenerateRequest\x1a!.skippy.stage.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bskippy_stage/v1/stage.proto\x12\x0fskippy.stage.v1\"\xdb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1b\n\x0erepeat_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x1a\n\rrepeat_last_n\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06_top_pB\x11\n\x0f_repeat_penaltyB\x10\n\x0e_repeat_last_nB\x07\n\x05_seed\"\xca\x01\n\nBatchEntry\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05phase\x18\x02 \x01(\x0e\x32\x16.skippy.stage.v1.Phase\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x13\n\x0bsample_last\x18\x05 \x01(\x08\x12\x13\n\x0bwant_logits\x18\x06 \x01(\x08\x12\x31\n\x08sampling\x18\x07 \x01(\x0b\x32\x1f.skippy.stage.v1.SamplingParams\"\x9a\x02\n\x0f\x46rameDescriptor\x12\x0f\n\x07version\x18\x01 \x01(\r\x12%\n\x05\x64type\x18\x02 \x01(\x0e\x32\x16.skippy.stage.v1.DType\x12\'\n\x06layout\x18\x03 \x01(\x0e\x32\x17.skippy.stage.v1.Layout\x12\x1c\n\x14producer_stage_index\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x13\n\x0btoken_count\x18\x07 \x01(\r\x12\x16\n\x0esequence_count\x18\x08 \x01(\r\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\r\n\x05\x66lags\x18\n \x01(\r\x12\r\n\x05width\x18\x0b \x01(\r\"X\n\x0f\x41\x63tivationFrame\x12\x34\n\ndescriptor\x18\x01 \x01(\x0b\x32 .skippy.stage.v1.FrameDescriptor\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x8a\x01\n\x15IterationBatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x1b.skippy.stage.v1.BatchEntry\x12/\n\x05\x66rame\x18\x03 \x01(\x0b\x32 .skippy.stage.v1.ActivationFrame\"h\n\nHopRequest\x12\x0e\n\x06hop_id\x18\x01 \x01(\x04\x12\x37\n\x07request\x18\x02 \x01(\x0b\x32&.skippy.stage.v1.IterationBatchRequest\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x8a\x01\n\x08HopReply\x12\x0e\n\x06hop_id\x18\x01 \x01(\x04\x12\x39\n\x08response\x18\x02 \x01(\x0b\x32\'.skippy.stage.v1.IterationBatchResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x14\n\x0c\x66\x61iled_stage\x18\x05 \x01(\t\"S\n\x0b\x45ntryOutput\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\thas_token\x18\x02 \x01(\x08\x12\r\n\x05token\x18\x03 \x01(\x05\x12\x0e\n\x06logits\x18\x04 \x03(\x02\"_\n\x16IterationBatchResponse\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.skippy.stage.v1.EntryOutput\x12\x16\n\x0e\x66inal_stage_id\x18\x02 \x01(\t\"\x8f\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.skippy.stage.v1.SamplingParams\x12\x13\n\x0bwant_logits\x18\x05 \x01(\x08\"/\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0e\n\x06logits\x18\x02 \x03(\x02\"(\n\x12\x44ropSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\">\n\tStageDrop\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x10\n\x08reset_ms\x18\x03 \x01(\x01\"A\n\x13\x44ropSessionResponse\x12*\n\x06stages\x18\x01 \x03(\x0b\x32\x1a.skippy.stage.v1.StageDrop\"\x12\n\x10GetStatusRequest\"J\n\x07LaneRow\x12\x0c\n\x04lane\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"\xff\x04\n\x0bStageStatus\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0btopology_id\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x13\n\x0blayer_start\x18\x07 \x01(\r\x12\x11\n\tlayer_end\x18\x08 \x01(\r\x12\x1a\n\x12include_embeddings\x18\t \x01(\x08\x12\x16\n\x0einclude_output\x18\n \x01(\x08\x12\x0e\n\x06n_embd\x18\x0b \x01(\r\x12\r\n\x05state\x18\x0c \x01(\t\x12\x12\n\nlane_count\x18\r \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0e \x01(\r\x12\x12\n\nidle_lanes\x18\x0f \x01(\r\x12\x12\n\nfree_lanes\x18\x10 \x01(\r\x12\x1a\n\x12max_session_tokens\x18\x11 \x01(\x04\x12\x1c\n\x14total_session_tokens\x18\x12 \x01(\x04\x12\x16\n\x0ekv_pool_tokens\x18\x13 \x01(\x04\x12\x19\n\x11kv_cells_per_lane\x18\x14 \x01(\x04\x12\x17\n\x0f\x64iscarded_lanes\x18\x15 \x01(\r\x12\'\n\x05lanes\x18\x16 \x03(\x0b\x32\x18.skippy.stage.v1.LaneRow\x12\x1b\n\x13\x64ownstream_stage_id\x18\x17 \x01(\t\x12\x1b\n\x13\x64ownstream_endpoint\x18\x18 \x01(\t\x12\x15\n\rdownstream_ok\x18\x19 \x01(\x08\x12\x18\n\x10\x64ownstream_error\x18\x1a \x01(\t\x12\x12\n\nwire_dtype\x18\x1b \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa6\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.skippy.stage.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.skippy.stage.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\"\xbd\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x34\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1d.skippy.stage.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x12\n\nsession_id\x18\x07 \x01(\t*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x12\x0e\n\nDTYPE_INT8\x10\x04*8\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYOUT_TOKEN_MAJOR\x10\x01*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xeb\x04\n\x0cStageService\x12\x61\n\x0eIterationBatch\x12&.skippy.stage.v1.IterationBatchRequest\x1a\'.skippy.stage.v1.IterationBatchResponse\x12I\n\x06\x44\x65\x63ode\x12\x1e.skippy.stage.v1.DecodeRequest\x1a\x1f.skippy.stage.v1.DecodeResponse\x12\x62\n\x0f\x41\x63tivationFrame\x12&.skippy.stage.v1.IterationBatchRequest\x1a\'.skippy.stage.v1.IterationBatchResponse\x12N\n\x10\x41\x63tivationStream\x12\x1b.skippy.stage.v1.HopRequest\x1a\x19.skippy.stage.v1.HopReply(\x01\x30\x01\x12X\n\x0b\x44ropSession\x12#.skippy.stage.v1.DropSessionRequest\x1a$.skippy.stage.v1.DropSessionResponse\x12L\n\tGetStatus\x12!.skippy.stage.v1.GetStatusRequest\x1a\x1c.skippy.stage.v1.StageStatus\x12Q\n\x08Generate\x12 .skippy.stage.v1.GenerateRequest\x1a!.skippy.stage.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'skippy_stage.v1.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASE']._serialized_start=2686
-  _globals['_PHASE']._serialized_end=2753
-  _globals['_DTYPE']._serialized_start=2755
-  _globals['_DTYPE']._serialized_end=2847
-  _globals['_LAYOUT']._serialized_start=2849
-  _globals['_LAYOUT']._serialized_end=2905
-  _globals['_FINISHREASON']._serialized_start=2907
-  _globals['_FINISHREASON']._serialized_end=3002
+  _globals['_PHASE']._serialized_start=2933
+  _globals['_PHASE']._serialized_end=3000
+  _globals['_DTYPE']._serialized_start=3002
+  _globals['_DTYPE']._serialized_end=3094
+  _globals['_LAYOUT']._serialized_start=3096
+  _globals['_LAYOUT']._serialized_end=3152
+  _globals['_FINISHREASON']._serialized_start=3154
+  _globals['_FINISHREASON']._serialized_end=3249
   _globals['_SAMPLINGPARAMS']._serialized_start=49
   _globals['_SAMPLINGPARAMS']._serialized_end=268
   _globals['_BATCHENTRY']._serialized_start=271
@@ -49,32 +49,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACTIVATIONFRAME']._serialized_end=848
   _globals['_ITERATIONBATCHREQUEST']._serialized_start=851
   _globals['_ITERATIONBATCHREQUEST']._serialized_end=989
-  _globals['_ENTRYOUTPUT']._serialized_start=991
-  _globals['_ENTRYOUTPUT']._serialized_end=1074
-  _globals['_ITERATIONBATCHRESPONSE']._serialized_start=1076
-  _globals['_ITERATIONBATCHRESPONSE']._serialized_end=1171
-  _globals['_DECODEREQUEST']._serialized_start=1174
-  _globals['_DECODEREQUEST']._serialized_end=1317
-  _globals['_DECODERESPONSE']._serialized_start=1319
-  _globals['_DECODERESPONSE']._serialized_end=1366
-  _globals['_DROPSESSIONREQUEST']._serialized_start=1368
-  _globals['_DROPSESSIONREQUEST']._serialized_end=1408
-  _globals['_STAGEDROP']._serialized_start=1410
-  _globals['_STAGEDROP']._serialized_end=1472
-  _globals['_DROPSESSIONRESPONSE']._serialized_start=1474
-  _globals['_DROPSESSIONRESPONSE']._serialized_end=1539
-  _globals['_GETSTATUSREQUEST']._serialized_start=1541
-  _globals['_GETSTATUSREQUEST']._serialized_end=1559
-  _globals['_LANEROW']._serialized_start=1561
-  _globals['_LANEROW']._serialized_end=1635
-  _globals['_STAGESTATUS']._serialized_start=1638
-  _globals['_STAGESTATUS']._serialized_end=2277
-  _globals['_CHATMESSAGE']._serialized_start=2279
-  _globals['_CHATMESSAGE']._serialized_end=2323
-  _globals['_GENERATEREQUEST']._serialized_start=2326
-  _globals['_GENERATEREQUEST']._serialized_end=2492
-  _globals['_GENERATERESPONSE']._serialized_start=2495
-  _globals['_GENERATERESPONSE']._serialized_end=2684
-  _globals['_STAGESERVICE']._serialized_start=3005
-  _globals['_STAGESERVICE']._serialized_end=3544
+  _globals['_HOPREQUEST']._serialized_start=991
+  _globals['_HOPREQUEST']._serialized_end=1095
+  _globals['_HOPREPLY']._serialized_start=1098
+  _globals['_HOPREPLY']._serialized_end=1236
+  _globals['_ENTRYOUTPUT']._serialized_start=1238
+  _globals['_ENTRYOUTPUT']._serialized_end=1321
+  _globals['_ITERATIONBATCHRESPONSE']._serialized_start=1323
+  _globals['_ITERATIONBATCHRESPONSE']._serialized_end=1418
+  _globals['_DECODEREQUEST']._serialized_start=1421
+  _globals['_DECODEREQUEST']._serialized_end=1564
+  _globals['_DECODERESPONSE']._serialized_start=1566
+  _globals['_DECODERESPONSE']._serialized_end=1613
+  _globals['_DROPSESSIONREQUEST']._serialized_start=1615
+  _globals['_DROPSESSIONREQUEST']._serialized_end=1655
+  _globals['_STAGEDROP']._serialized_start=1657
+  _globals['_STAGEDROP']._serialized_end=1719
+  _globals['_DROPSESSIONRESPONSE']._serialized_start=1721
+  _globals['_DROPSESSIONRESPONSE']._serialized_end=1786
+  _globals['_GETSTATUSREQUEST']._serialized_start=1788
+  _globals['_GETSTATUSREQUEST']._serialized_end=1806
+  _globals['_LANEROW']._serialized_start=1808
+  _globals['_LANEROW']._serialized_end=1882
+  _globals['_STAGESTATUS']._serialized_start=1885
+  _globals['_STAGESTATUS']._serialized_end=2524
+  _globals['_CHATMESSAGE']._serialized_start=2526
+  _globals['_CHATMESSAGE']._serialized_end=2570
+  _globals['_GENERATEREQUEST']._serialized_start=2573
+  _globals['_GENERATEREQUEST']._serialized_end=2739
+  _globals['_GENERATERESPONSE']._serialized_start=2742
+  _globals['_GENERATERESPONSE']._serialized_end=2931
+  _globals['_STAGESERVICE']._serialized_start=3252
+  _globals['_STAGESERVICE']._serialized_end=3871
 # @@protoc_insertion_point(module_scope)

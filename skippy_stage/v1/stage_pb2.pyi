@@ -125,6 +125,30 @@ class IterationBatchRequest(_message.Message):
     frame: ActivationFrame
     def __init__(self, request_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., frame: _Optional[_Union[ActivationFrame, _Mapping]] = ...) -> None: ...
 
+class HopRequest(_message.Message):
+    __slots__ = ("hop_id", "request", "timeout_s")
+    HOP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    hop_id: int
+    request: IterationBatchRequest
+    timeout_s: float
+    def __init__(self, hop_id: _Optional[int] = ..., request: _Optional[_Union[IterationBatchRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class HopReply(_message.Message):
+    __slots__ = ("hop_id", "response", "code", "message", "failed_stage")
+    HOP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STAGE_FIELD_NUMBER: _ClassVar[int]
+    hop_id: int
+    response: IterationBatchResponse
+    code: int
+    message: str
+    failed_stage: str
+    def __init__(self, hop_id: _Optional[int] = ..., response: _Optional[_Union[IterationBatchResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., failed_stage: _Optional[str] = ...) -> None: ...
+
 class EntryOutput(_message.Message):
     __slots__ = ("session_id", "has_token", "token", "logits")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

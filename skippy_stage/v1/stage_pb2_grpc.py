@@ -49,6 +49,11 @@ class StageServiceStub:
                 request_serializer=skippy__stage_dot_v1_dot_stage__pb2.IterationBatchRequest.SerializeToString,
                 response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.IterationBatchResponse.FromString,
                 _registered_method=True)
+        self.ActivationStream = channel.stream_stream(
+                '/skippy.stage.v1.StageService/ActivationStream',
+                request_serializer=skippy__stage_dot_v1_dot_stage__pb2.HopRequest.SerializeToString,
+                response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.HopReply.FromString,
+                _registered_method=True)
         self.DropSession = channel.unary_unary(
                 '/skippy.stage.v1.StageService/DropSession',
                 request_serializer=skippy__stage_dot_v1_dot_stage__pb2.DropSessionRequest.SerializeToString,
@@ -94,6 +99,14 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ActivationStream(self, request_iterator, context):
+        """The same, as one long-lived stream per neighbouring pair of stages: many frames in
+        flight, answers matched by hop_id, errors carried per frame (the stream stays up).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DropSession(self, request, context):
         """Frees the session on this stage and on every stage below it.
         """
@@ -131,6 +144,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.ActivationFrame,
                     request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.IterationBatchRequest.FromString,
                     response_serializer=skippy__stage_dot_v1_dot_stage__pb2.IterationBatchResponse.SerializeToString,
+            ),
+            'ActivationStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ActivationStream,
+                    request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.HopRequest.FromString,
+                    response_serializer=skippy__stage_dot_v1_dot_stage__pb2.HopReply.SerializeToString,
             ),
             'DropSession': grpc.unary_unary_rpc_method_handler(
                     servicer.DropSession,
@@ -229,6 +247,33 @@ class StageService:
             '/skippy.stage.v1.StageService/ActivationFrame',
             skippy__stage_dot_v1_dot_stage__pb2.IterationBatchRequest.SerializeToString,
             skippy__stage_dot_v1_dot_stage__pb2.IterationBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ActivationStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/skippy.stage.v1.StageService/ActivationStream',
+            skippy__stage_dot_v1_dot_stage__pb2.HopRequest.SerializeToString,
+            skippy__stage_dot_v1_dot_stage__pb2.HopReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,305 @@
+"""Deployment files: the Dockerfile, deploy/compose.yaml, deploy/k8s/ and the systemd unit.
+
+Docker and a cluster are not available here, so the files are checked the way their tools
+would read them: every Kubernetes manifest against the official schemas (strict, offline,
+through ``kubernetes-validate``), every stage config through ``load_config``, the Compose
+file and the chain it wires by parsing, and the health check the image runs against a real
+gRPC health server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from skippy_stage.config import StageConfig, load_config, parse_endpoint
+from skippy_stage.models import SMOLLM2_FILE
+from skippy_stage.planner import health_probe
+from skippy_stage.slicing import read_model_info
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S_VERSION = "1.33.0"  # native gRPC probes are GA since 1.27; kubernetes-validate ships this schema
+
+K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
+CONFIG_FILES = sorted(DEPLOY.rglob("*.json"))
+
+
+def validate_manifest(doc: dict) -> None:
+    """Raise unless ``doc`` matches its kind's schema (unknown fields refused)."""
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        path = ".".join(str(p) for p in exc.path)
+        raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']}: {path}: {exc.message}") from None
+
+
+def load_docs(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    kinds: dict[str, dict] = {}
+    for doc in docs:
+        assert doc["kind"] not in kinds, f"two {doc['kind']}s in one stage file"
+        kinds[doc["kind"]] = doc
+    return kinds
+
+
+def check_stage_manifests(docs: list[dict], *, port: int = 7000) -> StageConfig:
+    """One stage's ConfigMap + Deployment/StatefulSet + Service, wired to each other."""
+    kinds = by_kind(docs)
+    workload = kinds.get("Deployment") or kinds.get("StatefulSet")
+    assert workload is not None and "ConfigMap" in kinds and "Service" in kinds, sorted(kinds)
+    config_map, service = kinds["ConfigMap"], kinds["Service"]
+    (key, text), = config_map["data"].items()
+    config = StageConfig.from_dict(json.loads(text))
+    assert service["metadata"]["name"] == config.stage_id, "peers reach the stage by its stage_id"
+
+    pod = workload["spec"]["template"]
+    assert workload["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert {"name": "grpc", "port": port} in [{k: p[k] for k in ("name", "port")} for p in service["spec"]["ports"]]
+
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["grpc"]["port"] == port, probe
+    assert parse_endpoint(config.bind_addr, stage_id=config.stage_id, field_name="bind_addr", allow_port_zero=True).port == port
+    for side in ("requests", "limits"):
+        assert int(container["resources"][side]["nvidia.com/gpu"]) == 1, side
+    assert "memory" in container["resources"]["requests"]
+
+    security = {**spec.get("securityContext", {}), **container.get("securityContext", {})}
+    assert security["runAsNonRoot"] is True and security.get("runAsUser", 1) != 0
+    assert security["allowPrivilegeEscalation"] is False
+
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert "/models" in mounts, "a volume for model files"
+    models = volumes[mounts["/models"]]
+    assert "hostPath" in models or "persistentVolumeClaim" in models
+    assert Path(config.model_path).parent == Path("/models")
+
+    config_flag = container["args"][container["args"].index("--config") + 1]
+    config_volume = volumes[mounts[str(Path(config_flag).parent)]]
+    assert config_volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert Path(config_flag).name == key
+    return config
+
+
+def check_chain(configs: list[StageConfig]) -> None:
+    """Ordered stages whose layer ranges tile the model and whose peers point at each other."""
+    configs = sorted(configs, key=lambda c: c.stage_index)
+    assert [c.stage_index for c in configs] == list(range(len(configs)))
+    assert configs[0].layer_start == 0 and configs[0].upstream is None
+    assert configs[-1].downstream is None
+    for above, below in zip(configs, configs[1:]):
+        assert above.layer_end == below.layer_start
+        assert above.downstream is not None and below.upstream is not None
+        assert (above.downstream.stage_id, above.downstream.stage_index) == (below.stage_id, below.stage_index)
+        assert (below.upstream.stage_id, below.upstream.stage_index) == (above.stage_id, above.stage_index)
+        assert above.downstream.address.host == below.stage_id
+        assert below.upstream.address.host == above.stage_id
+        assert above.downstream.address.port == parse_endpoint(
+            below.bind_addr, stage_id=below.stage_id, field_name="bind_addr").port
+
+
+def compose_service_configs(compose_file: Path) -> dict[str, StageConfig]:
+    """Each service's StageConfig, found through its --config flag and its bind mounts."""
+    compose = yaml.safe_load(compose_file.read_text())
+    services = compose["services"]
+    configs: dict[str, StageConfig] = {}
+    for name, service in services.items():
+        command = service["command"]
+        command = command.split() if isinstance(command, str) else command
+        assert command[0] == "serve", f"{name}: the image's entrypoint is skippy-stage; the command is serve"
+        in_container = command[command.index("--config") + 1]
+        mounts = {}
+        for volume in service["volumes"]:
+            # ${VAR:-default} as Compose reads it with VAR unset
+            source, target, *_ = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", volume).split(":")
+            mounts[target] = source
+        assert in_container in mounts, f"{name}: {in_container} is not mounted"
+        on_host = compose_file.parent / mounts[in_container]
+        assert on_host.is_file(), f"{name}: {on_host} does not exist"
+        assert "/models" in mounts, f"{name}: no model volume"
+        config = load_config(on_host)
+        assert config.stage_id == name, "peers reach the stage by its service name"
+        healthcheck = " ".join(service["healthcheck"]["test"])
+        assert "grpc_health" in healthcheck and "SERVING" in healthcheck
+        configs[name] = config
+    for name, config in configs.items():
+        if config.downstream is not None:
+            below = config.downstream.stage_id
+            assert below in services, f"{name}: downstream {below} is not a service"
+            assert services[name]["depends_on"][below]["condition"] == "service_healthy"
+        else:
+            assert not services[name].get("depends_on"), "the final stage waits for nobody"
+    check_chain(list(configs.values()))
+    return configs
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def test_k8s_has_one_file_per_stage() -> None:
+    assert [p.name for p in K8S_FILES] == ["stage-0.yaml", "stage-1.yaml", "stage-2.yaml"]
+
+
+@pytest.mark.parametrize("path", K8S_FILES, ids=lambda p: p.name)
+def test_k8s_manifests_match_the_kubernetes_schemas(path: Path) -> None:
+    docs = load_docs(path)
+    assert docs
+    for doc in docs:
+        validate_manifest(doc)
+
+
+def test_schema_validation_catches_a_mistake() -> None:
+    """The validator is strict: a misspelt field or a wrong type is refused."""
+    service = by_kind(load_docs(K8S_FILES[0]))["Service"]
+    misspelt = {**service, "spec": {**service["spec"], "portz": service["spec"]["ports"]}}
+    with pytest.raises(AssertionError, match="portz"):
+        validate_manifest(misspelt)
+    deployment = by_kind(load_docs(K8S_FILES[0]))["Deployment"]
+    deployment["spec"]["replicas"] = "one"
+    with pytest.raises(AssertionError, match="replicas"):
+        validate_manifest(deployment)
+
+
+def test_k8s_stages_are_wired_and_chained() -> None:
+    configs = []
+    for path in K8S_FILES:
+        config = check_stage_manifests(load_docs(path))
+        # The ConfigMap carries the same config as deploy/configs (one source of truth for both).
+        assert config == load_config(DEPLOY / "configs" / f"{config.stage_id}.json")
+        configs.append(config)
+    check_chain(configs)
+
+
+# --------------------------------------------------------------------------- stage configs
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_stage_config_under_deploy_loads(path: Path) -> None:
+    config = load_config(path)
+    assert config.bind_addr == "0.0.0.0:7000"
+
+
+def test_deploy_configs_split_smollm2_0_10_20_30(smollm2: Path) -> None:
+    configs = [load_config(DEPLOY / "configs" / f"stage-{i}.json") for i in range(3)]
+    assert [(c.layer_start, c.layer_end) for c in configs] == [(0, 10), (10, 20), (20, 30)]
+    assert configs[-1].layer_end == read_model_info(smollm2).block_count
+    assert {c.model_path for c in configs} == {f"/models/{SMOLLM2_FILE}"}
+    check_chain(configs)
+
+
+# --------------------------------------------------------------------------- Compose
+
+
+def test_compose_runs_a_chained_three_stage_pipeline() -> None:
+    configs = compose_service_configs(DEPLOY / "compose.yaml")
+    assert sorted(configs) == ["stage-0", "stage-1", "stage-2"]
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    assert compose["services"]["stage-0"]["ports"] == ["7000:7000"], "the head is published"
+    assert compose["services"]["stage-2"]["build"]["dockerfile"] == "Dockerfile"
+    assert (DEPLOY / compose["services"]["stage-2"]["build"]["context"] / "Dockerfile").is_file()
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuations joined and comments dropped."""
+    lines = [ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if not ln.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln.strip() else "")
+            for ln in text.splitlines() if ln.strip()]
+
+
+def test_dockerfile_is_multi_stage_non_root_with_a_grpc_healthcheck() -> None:
+    steps = dockerfile_instructions()
+    froms = [args for op, args in steps if op == "FROM"]
+    assert len(froms) >= 2 and any(" AS builder" in f for f in froms), "builder + runtime stages"
+    runtime = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM"):]
+    users = [args for op, args in runtime if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the runtime runs as a non-root user"
+    assert not any("build-essential" in args for _, args in runtime), "no compiler in the runtime image"
+    assert any(op == "RUN" and "--no-index" in args and "/wheels" in args for op, args in runtime), "wheels only"
+    assert any(op == "EXPOSE" and "7000" in args.split() for op, args in runtime)
+    (healthcheck,) = [args for op, args in steps if op == "HEALTHCHECK"]
+    exec_form = json.loads(healthcheck[healthcheck.index("CMD") + 3:].strip())
+    assert exec_form[:2] == ["python", "-c"]
+    assert exec_form[2] == health_probe(7000), "the image runs the same check as the Compose files"
+    assert ("ENTRYPOINT", '["skippy-stage"]') in steps
+    assert ("CMD", '["serve", "--config", "/config/stage.json"]') in steps
+
+
+def test_compose_runs_the_images_health_check() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    for service in compose["services"].values():
+        assert service["healthcheck"]["test"] == ["CMD", "python", "-c", health_probe(7000)]
+
+
+@pytest.fixture
+def health_server():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield port, servicer
+    server.stop(0)
+
+
+def run_probe(port: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", health_probe(port)], capture_output=True, text=True, timeout=30)
+
+
+def test_health_check_passes_only_on_serving(health_server) -> None:
+    port, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    not_serving = run_probe(port)
+    assert (not_serving.returncode, not_serving.stderr) == (1, ""), "a clean 'unhealthy', not a crash"
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert run_probe(port).returncode == 0
+
+
+def test_health_check_fails_when_nothing_listens() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert run_probe(port).returncode != 0
+
+
+# --------------------------------------------------------------------------- systemd
+
+
+def test_systemd_unit_runs_one_stage_per_instance() -> None:
+    unit: dict[str, list[str]] = {}
+    for line in (DEPLOY / "systemd" / "skippy-stage@.service").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            unit.setdefault(key.strip(), []).append(value.strip())
+    (exec_start,) = unit["ExecStart"]
+    argv = exec_start.split()
+    assert argv[0].endswith("skippy-stage") and argv[1] == "serve"
+    assert argv[argv.index("--config") + 1] == "/etc/skippy-stage/%i.json"
+    assert unit["User"][0] not in ("root", "0")
+    assert unit["Restart"] == ["on-failure"]
+    assert unit["KillSignal"] == ["SIGTERM"]
+    grace = float(argv[argv.index("--grace") + 1]) if "--grace" in argv else 10.0
+    (stop,) = unit["TimeoutStopSec"]
+    assert grace < float(stop.rstrip("s")) <= grace + 30, "a bit above the drain grace"
