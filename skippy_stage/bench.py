@@ -100,12 +100,14 @@ def stage_threads(n_stages: int) -> int:
 
 
 class _Pipeline:
-    def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str) -> None:
+    def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
+                 transport: str = "stream") -> None:
         threads = stage_threads(len(ranges))
         ports = _free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
             "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 2, "cache_dir": cache_dir,
+            "hop_transport": transport,
         })
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
@@ -225,6 +227,16 @@ def run(json_path: str | None = None) -> dict[str, object]:
                     prefill["pipeline"] = PREFILL_TOKENS / figures["ttft_s"]
             finally:
                 pipeline.stop()
+        # The same 3-stage decode with one unary call per frame instead of the stream.
+        pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp), cache_dir, transport="unary")
+        try:
+            unary_ms, _, unary_hops = _decode_ms(pipeline)
+        finally:
+            pipeline.stop()
+        report["transport_comparison_3_stage"] = {
+            "stream": {"ms_per_token": pipelines_ms["3"], "per_hop_overhead_us": sum(hops["3"]) / len(hops["3"])},
+            "unary": {"ms_per_token": unary_ms, "per_hop_overhead_us": sum(unary_hops) / len(unary_hops)},
+        }
         report["pipeline_ms_per_token"] = pipelines_ms
         report["stage_cpu_ms_per_token"] = stage_cpu
         # Measured from each stage's own histograms: time waiting on the next stage minus the
@@ -289,6 +301,9 @@ def format_table(report: dict[str, object]) -> str:
     p = r["prefill_tokens_per_s"]
     lines.append(f"{'prefill tok/s, 512-token prompt':44} {p['pipeline']:12.1f} {p['single_process']:12.1f} "
                  f"{ratios['prefill_512']:8.2f} {'>=0.9':>8}")
+    for transport, t in r["transport_comparison_3_stage"].items():
+        lines.append(f"3 stages over {transport:6}: {t['ms_per_token']:.2f} ms/token, "
+                     f"per-hop overhead {t['per_hop_overhead_us']:.0f} us")
     for n, cpu in r["stage_cpu_ms_per_token"].items():
         lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))

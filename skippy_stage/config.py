@@ -114,6 +114,9 @@ class StageConfig:
     max_inflight: int = 1
     # Prometheus metrics over HTTP on this port (unset: no metrics endpoint).
     metrics_port: int | None = None
+    # A session untouched for this long is freed (on every stage, each by its own clock),
+    # so a client or head that vanished never pins a lane; unset: never.
+    session_idle_ttl_s: float | None = 600.0
     # A stage whose downstream has not answered within this many seconds of loading exits
     # non-zero (its orchestrator restarts it); later outages only make it NOT_SERVING.
     downstream_ready_timeout_s: float = 300.0
@@ -264,8 +267,10 @@ def _validate(cfg: StageConfig) -> None:
     _require_int(cfg, "admission_queue", 0)
     if cfg.max_inflight > cfg.lane_count:
         raise _fail(cfg, "max_inflight", cfg.max_inflight, f"must be <= lane_count={cfg.lane_count}")
-    for name in ("admission_wait_s", "downstream_ready_timeout_s"):
+    for name in ("admission_wait_s", "downstream_ready_timeout_s", "session_idle_ttl_s"):
         wait = getattr(cfg, name)
+        if wait is None and name == "session_idle_ttl_s":
+            continue
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 86400:
             raise _fail(cfg, name, wait, "must be a number of seconds in (0, 86400]")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)

@@ -423,7 +423,7 @@ class _Endpoint:
             return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    async def __call__(self, request: Request) -> Response:
+    async def handle(self, request: Request) -> Response:
         started = time.perf_counter()
         try:
             body = await _read_json(request)
@@ -527,8 +527,8 @@ def build_app(servicer: Any) -> Starlette:
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", _Endpoint(servicer, chat=False), methods=["POST"]),
-        Route("/v1/chat/completions", _Endpoint(servicer, chat=True), methods=["POST"]),
+        Route("/v1/completions", _Endpoint(servicer, chat=False).handle, methods=["POST"]),
+        Route("/v1/chat/completions", _Endpoint(servicer, chat=True).handle, methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
 

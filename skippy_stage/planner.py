@@ -91,7 +91,7 @@ class PlanError(SkippyError):
     """The nodes cannot hold the model as asked; the message says by how much."""
 
 
-def format_bytes(n: int | float) -> str:
+def format_bytes(n: float) -> str:
     """GiB with two decimals from 1 GiB up, MiB with one decimal below."""
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
@@ -186,10 +186,13 @@ class Plan:
                 f"{s.budget_bytes / MIB:>10.1f}  {100 * s.total_bytes / s.budget_bytes:>4.0f}%"
             )
         budget = sum(s.budget_bytes for s in self.stages)
+        weights = sum(s.weight_bytes for s in self.stages)
+        kv = sum(s.kv_bytes for s in self.stages)
+        overhead = sum(s.overhead_bytes for s in self.stages)
         lines.append(
-            f"{'all':<{width}}  {f'0:{self.model.block_count}':>7}  {sum(s.weight_bytes for s in self.stages) / MIB:>11.1f}  "
-            f"{sum(s.kv_bytes for s in self.stages) / MIB:>8.1f}  {sum(s.overhead_bytes for s in self.stages) / MIB:>12.1f}  "
-            f"{self.total_bytes / MIB:>9.1f}  {budget / MIB:>10.1f}  {100 * self.total_bytes / budget:>4.0f}%"
+            f"{'all':<{width}}  {f'0:{self.model.block_count}':>7}  {weights / MIB:>11.1f}  {kv / MIB:>8.1f}  "
+            f"{overhead / MIB:>12.1f}  {self.total_bytes / MIB:>9.1f}  {budget / MIB:>10.1f}  "
+            f"{100 * self.total_bytes / budget:>4.0f}%"
         )
         return "\n".join(lines)
 
@@ -535,7 +538,7 @@ _Dumper.add_representer(str, _literal_str)
 
 
 def _yaml(*docs: dict[str, Any]) -> str:
-    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
 
 
 def health_probe(port: int = DEFAULT_PORT) -> str:
@@ -703,7 +706,8 @@ def write_plan(
     compose = out / "compose.yaml"
     compose.write_text(
         header
-        + "# Put the model under ./models (or set SKIPPY_MODELS) and run: docker compose up\n"
+        + "# Every stage on this one Docker host (a trial of the split; the k8s/ files place one stage per\n"
+        + "# GPU node). Put the model under ./models (or set SKIPPY_MODELS) and run: docker compose up\n"
         + _yaml(compose_document(configs, image=image, port=port, models_dir="${SKIPPY_MODELS:-./models}"))
     )
     written.append(compose)

@@ -185,6 +185,20 @@ class Stage:
 
         threading.Thread(target=drop_all, name="drop-below", daemon=True).start()
 
+    def expire_idle_sessions(self) -> list[str]:
+        """Free sessions idle for longer than session_idle_ttl_s; returns their ids."""
+        ttl = self.config.session_idle_ttl_s
+        if ttl is None or self.runtime is None:
+            return []
+        expired = self.runtime.lanes.idle_sessions(ttl)
+        for session_id in expired:
+            try:
+                self.runtime.drop_session(session_id)
+                self.log.info("session expired", session_id=session_id, idle_ttl_s=ttl)
+            except UnknownSessionError:
+                pass  # freed meanwhile
+        return expired
+
     def _check_reply_fits(self, request: pb.IterationBatchRequest, n_vocab: int) -> None:
         """Refuse up front a batch whose logits could not travel back within the size limit."""
         wanted = sum(1 for e in request.entries if e.want_logits)

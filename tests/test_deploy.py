@@ -9,6 +9,7 @@ gRPC health server.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import socket
@@ -77,7 +78,8 @@ def check_stage_manifests(docs: list[dict], *, port: int = 7000) -> StageConfig:
     (container,) = spec["containers"]
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == port, probe
-    assert parse_endpoint(config.bind_addr, stage_id=config.stage_id, field_name="bind_addr", allow_port_zero=True).port == port
+    bind = parse_endpoint(config.bind_addr, stage_id=config.stage_id, field_name="bind_addr", allow_port_zero=True)
+    assert bind.port == port
     for side in ("requests", "limits"):
         assert int(container["resources"][side]["nvidia.com/gpu"]) == 1, side
     assert "memory" in container["resources"]["requests"]
@@ -106,7 +108,7 @@ def check_chain(configs: list[StageConfig]) -> None:
     assert [c.stage_index for c in configs] == list(range(len(configs)))
     assert configs[0].layer_start == 0 and configs[0].upstream is None
     assert configs[-1].downstream is None
-    for above, below in zip(configs, configs[1:]):
+    for above, below in itertools.pairwise(configs):
         assert above.layer_end == below.layer_start
         assert above.downstream is not None and below.upstream is not None
         assert (above.downstream.stage_id, above.downstream.stage_index) == (below.stage_id, below.stage_index)
@@ -265,7 +267,8 @@ def health_server():
 
 
 def run_probe(port: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", health_probe(port)], capture_output=True, text=True, timeout=30)
+    return subprocess.run([sys.executable, "-c", health_probe(port)], check=False, capture_output=True, text=True,
+                          timeout=30)
 
 
 def test_health_check_passes_only_on_serving(health_server) -> None:

@@ -107,3 +107,30 @@ def test_sigterm_drains_the_generation_in_flight_refuses_new_ones_and_exits_zero
     assert outcome["done"].completion_tokens == 96
     assert pipeline.procs[0].wait(30) == 0
     pipeline.stop()
+
+
+def test_a_session_left_idle_expires_on_every_stage(smollm2, start_pipeline):
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, session_idle_ttl_s=1.0)
+    try:
+        with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+            stub = pb_grpc.StageServiceStub(channel)
+            entry = pb.BatchEntry(session_id="abandoned", positions=[0, 1, 2], token_ids=[504, 3575, 282],
+                                  sample_last=True)
+            stub.IterationBatch(pb.IterationBatchRequest(entries=[entry]), timeout=30)
+        endpoints = [str(cfg["bind_addr"]) for cfg in pipeline.configs]
+
+        def active() -> list[int]:
+            out = []
+            for endpoint in endpoints:
+                with grpc.insecure_channel(endpoint) as channel:
+                    out.append(pb_grpc.StageServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=5)
+                               .active_sessions)
+            return out
+
+        assert active() == [1, 1]
+        deadline = time.monotonic() + 10
+        while active() != [0, 0] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert active() == [0, 0]
+    finally:
+        pipeline.stop()

@@ -7,6 +7,7 @@ SmolLM2-135M (llama, 30 layers, n_embd 576, 9 heads, 3 KV heads) has tied embedd
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 from pathlib import Path
@@ -142,7 +143,7 @@ def test_every_split_is_contiguous_covers_every_layer_and_fits(footprint: ModelF
         plan = plan_stages(footprint, nodes(spec), ctx_size=2048, lanes=2)
         ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
         assert ranges[0][0] == 0 and ranges[-1][1] == N_LAYERS
-        assert all(a_end == b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
+        assert all(a_end == b_start for (_, a_end), (b_start, _) in itertools.pairwise(ranges))
         assert all(s.n_layers >= 1 and s.total_bytes <= s.budget_bytes for s in plan.stages)
 
 
