@@ -330,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the figures as JSON here")
     p.set_defaults(func=cmd_bench)
 
+    from skippy_stage.planner import add_plan_parser
+
+    add_plan_parser(sub)
+
     p = sub.add_parser("slice", help="write the GGUF of one layer range")
     p.add_argument("model")
     p.add_argument("--layers", required=True, help="START:END")

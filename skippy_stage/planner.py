@@ -607,7 +607,7 @@ def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int 
         "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 2},
         # A stage also reports NOT_SERVING while its downstream is down, so liveness waits
         # long enough for a neighbour's restart before it restarts this one.
-        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 30},
+        "livenessProbe": {"grpc": {"port": port, "service": "liveness"}, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 30},
         "resources": resources,
         "securityContext": {
             "allowPrivilegeEscalation": False,

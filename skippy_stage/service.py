@@ -43,6 +43,9 @@ from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 log = structlog.get_logger("skippy_stage.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StageService"].full_name
+# A health service name that answers SERVING while the process is up and not draining:
+# for liveness probes, which must not restart a stage merely because its downstream is down.
+LIVENESS_SERVICE = "liveness"
 _CODES: tuple[tuple[type[SkippyError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (SessionStateError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -255,6 +258,9 @@ class StageServer:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
+        alive = self.stage.state in (StageState.LOADING, StageState.SERVING)
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING if alive
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _check_edge(self) -> HealthProbe:
         """Agree on the edge with the downstream: layer continuity, width, architecture.

@@ -39,5 +39,8 @@ def test_a_downstream_that_does_not_continue_the_layers_keeps_the_head_not_servi
             assert not status.downstream_ok
             check = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
             assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Not ready, but alive: a liveness probe must not restart it for its neighbour's fault.
+            alive = health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
+            assert alive.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         pipeline.stop()
