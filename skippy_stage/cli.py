@@ -95,6 +95,14 @@ class LocalPipeline:
                 stdin=subprocess.DEVNULL, stderr=stderr,
             ))
 
+    def restart(self, index: int) -> None:
+        """Start stage ``index`` again with its config (after it died or was killed)."""
+        old = self.procs[index]
+        if old.poll() is None:
+            raise SkippyError(f"stage {self.configs[index]['stage_id']} is still running")
+        self.procs[index] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL,
+                                             stderr=self.log_files[index] if self.log_files else None)
+
     @property
     def head_endpoint(self) -> str:
         return str(self.configs[0]["bind_addr"])

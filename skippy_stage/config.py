@@ -124,6 +124,9 @@ class StageConfig:
     http_port: int | None = None
     admission_queue: int = 64
     admission_wait_s: float = 30.0
+    # A generation whose chain fails waits this long for it to come back, then re-prefills
+    # its tokens through it and continues; 0: fail at once.
+    recovery_wait_s: float = 15.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -271,6 +274,9 @@ def _validate(cfg: StageConfig) -> None:
         wait = getattr(cfg, name)
         if wait is None and name == "session_idle_ttl_s":
             continue
+    if isinstance(cfg.recovery_wait_s, bool) or not isinstance(cfg.recovery_wait_s, (int, float)) \
+            or not 0 <= cfg.recovery_wait_s <= 3600:
+        raise _fail(cfg, "recovery_wait_s", cfg.recovery_wait_s, "must be a number of seconds in [0, 3600]")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 86400:
             raise _fail(cfg, name, wait, "must be a number of seconds in (0, 86400]")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)

@@ -20,13 +20,14 @@ import itertools
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
-from skippy_stage.errors import CapacityError, SkippyError
+from skippy_stage.errors import CapacityError, DownstreamError, SkippyError, UnknownSessionError
 from skippy_stage.v1 import stage_pb2 as pb
 
 log = structlog.get_logger("skippy_stage.scheduler")
@@ -59,6 +60,16 @@ class Task:
     prefilled: int = 0
     generated: int = 0
     last_token: int | None = None
+    # Every token the chain has been fed for this session: the prompt, then each sampled
+    # token once the next step carries it. A recovery re-prefills it as ``replay``.
+    history: list[int] = field(default_factory=list)
+    replay: list[int] | None = None
+    # Set while the session waits for the chain to come back; the error to give up with.
+    recovering: SkippyError | None = None
+    failing_since: float | None = None
+    # Session ids this task used before a recovery; some stage below may still hold them.
+    stale_sessions: list[str] = field(default_factory=list)
+    recoveries: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -75,6 +86,11 @@ class Task:
     def reserve(self, max_context: int) -> int:
         return min(len(self.prompt) + self.max_tokens, max_context)
 
+    @property
+    def to_feed(self) -> list[int]:
+        """Tokens to prefill: the prompt, or after a recovery everything fed before."""
+        return self.prompt if self.replay is None else self.replay
+
 
 @dataclass(frozen=True)
 class SchedulerLimits:
@@ -87,6 +103,9 @@ class SchedulerLimits:
     max_queue: int = 64
     max_queue_wait_s: float = 30.0
     step_timeout_s: float = 60.0
+    # How long a session whose chain failed waits for it to come back before failing;
+    # 0 disables recovery.
+    recovery_wait_s: float = 15.0
 
 
 StepFn = Callable[[pb.IterationBatchRequest, float], pb.IterationBatchResponse]
@@ -98,8 +117,9 @@ class Scheduler:
     """Runs tasks in shared batches on ``max_inflight`` worker threads."""
 
     def __init__(self, limits: SchedulerLimits, *, step: StepFn, drop: DropFn, is_eog: IsEog,
-                 stage_id: str = "head") -> None:
+                 chain_ready: Callable[[], bool] = lambda: True, stage_id: str = "head") -> None:
         self.limits = limits
+        self._chain_ready = chain_ready
         self._step = step
         self._drop = drop
         self._is_eog = is_eog
@@ -213,7 +233,9 @@ class Scheduler:
         entries: list[pb.BatchEntry] = []
         plan: list[tuple[Task, int]] = []
         for task in batch:
-            if task.prefilled == len(task.prompt) and task.last_token is not None and budget > 0:
+            if task.recovering is not None:
+                continue
+            if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0:
                 position = len(task.prompt) + task.generated - 1
                 entries.append(pb.BatchEntry(session_id=task.session_id, phase=pb.PHASE_DECODE,
                                              positions=[position], token_ids=[task.last_token],
@@ -221,20 +243,56 @@ class Scheduler:
                 plan.append((task, 0))
                 budget -= 1
         for task in batch:
-            remaining = len(task.prompt) - task.prefilled
-            if remaining <= 0 or budget <= 0:
+            feed = task.to_feed
+            remaining = len(feed) - task.prefilled
+            if task.recovering is not None or remaining <= 0 or budget <= 0:
                 continue
             n = min(remaining, self.limits.n_ubatch, budget)
             start = task.prefilled
+            # After a recovery the next input token is already known: do not sample again.
+            last = start + n == len(feed) and task.last_token is None
             entries.append(pb.BatchEntry(session_id=task.session_id, phase=pb.PHASE_PREFILL,
                                          positions=list(range(start, start + n)),
-                                         token_ids=task.prompt[start : start + n],
-                                         sample_last=start + n == len(task.prompt), sampling=task.sampling))
+                                         token_ids=feed[start : start + n], sample_last=last,
+                                         sampling=task.sampling))
             plan.append((task, n))
             budget -= n
         return entries, plan
 
+    def _recover(self, batch: list[Task]) -> None:
+        """Re-prefill sessions whose chain failed, once it answers again (or give up)."""
+        now = time.monotonic()
+        waiting = [t for t in batch if t.recovering is not None and not t.cancelled]
+        if not waiting:
+            return
+        ready = self._chain_ready()
+        for task in waiting:
+            if ready:
+                old = task.session_id
+                task.stale_sessions.append(old)
+                task.session_id = uuid.uuid4().hex
+                task.replay = list(task.history) if task.history else list(task.prompt)
+                task.prefilled = 0
+                task.recovering = None
+                task.recoveries += 1
+                self.log.info("session recovering: re-prefilling through the chain", session_id=task.session_id,
+                              previous_session_id=old, tokens=len(task.history))
+                for stale in list(task.stale_sessions):
+                    try:
+                        self._drop(stale)  # a stage that outlived the failure may still hold it
+                        task.stale_sessions.remove(stale)
+                    except UnknownSessionError:
+                        task.stale_sessions.remove(stale)
+                    except SkippyError:
+                        pass  # part of the chain is still away; the idle TTL is the backstop
+            elif now > (task.failing_since or now) + self.limits.recovery_wait_s:
+                task.events.put(Failed(task.recovering))
+                task.cancel()
+        if not ready:
+            time.sleep(0.05)
+
     def _run_step(self, batch: list[Task]) -> None:
+        self._recover(batch)
         entries, plan = self._entries(batch)
         if not entries:
             return
@@ -242,17 +300,28 @@ class Scheduler:
         try:
             response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
-            self.log.warning("step failed", request_id=request.request_id, error=str(exc),
+            recoverable = isinstance(exc, DownstreamError) and exc.code_name == "UNAVAILABLE" \
+                and self.limits.recovery_wait_s > 0
+            self.log.warning("step failed", request_id=request.request_id, error=str(exc), recovering=recoverable,
                              sessions=[t.session_id for t, _ in plan])
             for task, _ in plan:
-                task.events.put(Failed(exc))
-                task.cancel()
+                if recoverable:
+                    task.recovering = exc
+                    if task.failing_since is None:
+                        task.failing_since = time.monotonic()
+                    if time.monotonic() > task.failing_since + self.limits.recovery_wait_s:
+                        task.events.put(Failed(exc))
+                        task.cancel()
+                else:
+                    task.events.put(Failed(exc))
+                    task.cancel()
             return
         self.steps += 1
         for (task, n_prefill), out in zip(plan, response.outputs):
             task.prefilled += n_prefill
             if not out.has_token:
                 continue
+            task.failing_since = None
             if task.first_token_at is None:
                 task.first_token_at = time.monotonic()
             token = out.token
@@ -260,6 +329,10 @@ class Scheduler:
                 task.events.put(End(FINISH_STOP))
                 task.cancel()
                 continue
+            if task.last_token is not None and n_prefill == 0:
+                task.history.append(task.last_token)  # it was fed in this step
+            elif not task.history:
+                task.history = list(task.prompt)
             task.generated += 1
             task.last_token = token
             task.events.put(token)

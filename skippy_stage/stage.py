@@ -161,6 +161,9 @@ class Stage:
             return response
         except DownstreamError as exc:
             m.forward_failures.labels(exc.stage_id).inc()
+            if exc.code_name == "UNAVAILABLE":
+                # Not ready until the health monitor sees the chain answer again.
+                self.downstream_health = HealthProbe(False, str(exc))
             sessions = [e.session_id for e in entries]
             self.free_sessions(sessions)
             self._drop_below(sessions)

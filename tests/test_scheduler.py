@@ -102,9 +102,8 @@ def make_scheduler():
     made: list[tuple[Scheduler, FakeChain]] = []
 
     def make(chain: FakeChain, **limits: object) -> Scheduler:
-        values: dict[str, object] = dict(lane_count=4, kv_pool_tokens=100_000, max_context=10_000, n_batch=512,
-                                         n_ubatch=512, step_timeout_s=WAIT_S)
-        values.update(limits)
+        values: dict[str, object] = {"lane_count": 4, "kv_pool_tokens": 100_000, "max_context": 10_000,
+                                     "n_batch": 512, "n_ubatch": 512, "step_timeout_s": WAIT_S, **limits}
         scheduler = Scheduler(SchedulerLimits(**values), step=chain.step, drop=chain.drop,
                               is_eog=lambda token: token == EOG)
         made.append((scheduler, chain))

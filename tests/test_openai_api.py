@@ -1,0 +1,287 @@
+"""The head's OpenAI-compatible HTTP API, checked with the official ``openai`` client.
+
+Every test runs against real ``serve`` processes: SmolLM2 split 0:10 / 10:20 / 20:30 with
+the API on the head. The contract:
+
+* with temperature 0, /v1/chat/completions answers exactly what llama-cpp-python's
+  ``create_chat_completion`` gives on the unsplit model (the GGUF's own chat template), and
+  /v1/completions exactly what ``create_completion`` gives — text, finish_reason and usage;
+* a stream's chunks concatenate to the non-streaming answer and end with ``data: [DONE]``;
+* concurrent clients get what the same calls made one at a time get;
+* refusals use OpenAI's error shape: 400 for bad input (naming the field), 429 with
+  Retry-After when the lanes and the admission queue are full, 503 while a stage is down;
+* a client that goes away stops its generation (its lane is freed for the next one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from llama_cpp import Llama
+
+from skippy_stage.cli import _free_ports
+
+RANGES = [(0, 10), (10, 20), (20, 30)]
+MAX_TOKENS = 32
+# One llama.cpp thread per stage: three stages share this machine's cores.
+STAGE_OPTIONS = {"n_threads": 1}
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "Why is the sea salty?"}],
+    [{"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Name another one."}],
+]
+PROMPTS = ["The capital of France is", "def add(a, b):"]
+STOP_PROMPT, STOP = "Here is a short poem about the sea:\n", ["\n"]
+
+
+def usage_of(result: dict) -> dict:
+    return {k: result["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """What llama-cpp-python answers on the unsplit model, greedy."""
+    llm = Llama(model_path=str(smollm2), n_ctx=2048, verbose=False)
+    try:
+        chats = [llm.create_chat_completion(m, temperature=0, max_tokens=MAX_TOKENS) for m in CHATS]
+        completions = [llm.create_completion(p, max_tokens=MAX_TOKENS, temperature=0) for p in PROMPTS]
+        stopped = llm.create_completion(STOP_PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=STOP)
+        return {"chats": chats, "completions": completions, "stopped": stopped}
+    finally:
+        llm.close()
+
+
+def start_api(start_pipeline, smollm2, **overrides):
+    port = _free_ports("127.0.0.1", 1)[0]
+    pipeline = start_pipeline(smollm2, RANGES, http_port=[port, None, None], **STAGE_OPTIONS, **overrides)
+    return pipeline, f"http://127.0.0.1:{port}/v1"
+
+
+def client_for(base_url: str, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def api(smollm2, start_pipeline):
+    pipeline, base_url = start_api(start_pipeline, smollm2)
+    yield base_url
+    pipeline.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return client_for(api)
+
+
+def raw_post(url: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """A POST without the openai client: status, headers, body."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def assert_error_shape(body: dict, error_type: str, param: str | None = None) -> None:
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == error_type
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_models_lists_the_gguf(client, smollm2):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [smollm2.name]
+
+
+def test_chat_greedy_equals_llama_cpp_create_chat_completion(client, reference, smollm2):
+    for messages, expected in zip(CHATS, reference["chats"]):
+        result = client.chat.completions.create(model=smollm2.name, messages=messages, temperature=0,
+                                                max_tokens=MAX_TOKENS)
+        choice = result.choices[0]
+        assert choice.message.role == "assistant"
+        assert choice.message.content == expected["choices"][0]["message"]["content"]
+        assert choice.finish_reason == expected["choices"][0]["finish_reason"]
+        assert result.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == \
+            usage_of(expected)
+        assert result.object == "chat.completion" and result.model == smollm2.name
+
+
+def test_chat_stream_concatenates_to_the_non_streaming_answer(client, api):
+    messages = CHATS[1]
+    whole = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+    chunks = list(client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].object == "chat.completion.chunk"
+
+    body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": 4, "stream": True}).encode()
+    status, headers, raw = raw_post(f"{api}/chat/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [line for line in raw.decode().split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_completions_greedy_equal_llama_cpp_create_completion(client, reference):
+    for prompt, expected in zip(PROMPTS, reference["completions"]):
+        result = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+        assert result.choices[0].text == expected["choices"][0]["text"]
+        assert result.choices[0].finish_reason == expected["choices"][0]["finish_reason"]
+        assert result.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == \
+            usage_of(expected)
+
+    expected = reference["stopped"]
+    stream = client.completions.create(model="m", prompt=STOP_PROMPT, temperature=0, max_tokens=MAX_TOKENS,
+                                       stop=STOP, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected["choices"][0]["text"]
+    assert chunks[-1].choices[0].finish_reason == expected["choices"][0]["finish_reason"] == "stop"
+
+
+def test_concurrent_clients_get_what_sequential_calls_get(client):
+    calls = [("chat", m) for m in CHATS] + [("completion", p) for p in PROMPTS] + [("chat", CHATS[0])]
+
+    def call(item: tuple[str, object]) -> str:
+        kind, payload = item
+        if kind == "chat":
+            stream = client.chat.completions.create(model="m", messages=payload, temperature=0, max_tokens=24,
+                                                    stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        return client.completions.create(model="m", prompt=payload, temperature=0, max_tokens=24).choices[0].text
+
+    sequential = [call(item) for item in calls]
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        concurrent = list(pool.map(call, calls))
+    assert concurrent == sequential
+    assert len(set(sequential)) > 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": "hello"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": CHATS[0], "max_tokens": -1}, "max_tokens"),
+        ({"messages": CHATS[0], "max_tokens": "8"}, "max_tokens"),
+        ({"messages": CHATS[0], "max_tokens": 10**9}, "max_tokens"),
+        ({"messages": CHATS[0], "temperature": -0.5}, "temperature"),
+        ({"messages": CHATS[0], "top_p": 0}, "top_p"),
+        ({"messages": CHATS[0], "seed": -3}, "seed"),
+        ({"messages": CHATS[0], "stop": 7}, "stop"),
+        ({"messages": CHATS[0], "stream": "yes"}, "stream"),
+        ({"messages": CHATS[0], "n": 2}, "n"),
+    ],
+)
+def test_bad_chat_input_gets_400_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{"model": "m", **body})
+    err = caught.value
+    assert err.status_code == 400
+    assert_error_shape(err.response.json(), "invalid_request_error", param)
+    assert param.split("[")[0].split(".")[0] in err.body["message"]
+
+
+def test_bad_json_and_bad_prompts_get_400(api):
+    for url, body in [
+        (f"{api}/chat/completions", b"{not json"),
+        (f"{api}/chat/completions", b"[1, 2]"),
+        (f"{api}/chat/completions", json.dumps({"model": "m"}).encode()),
+        (f"{api}/completions", json.dumps({"prompt": ""}).encode()),
+        (f"{api}/completions", json.dumps({"prompt": {"text": "hi"}}).encode()),
+        (f"{api}/completions", json.dumps({"prompt": "hi " * 3000, "max_tokens": 4}).encode()),
+    ]:
+        status, _, raw = raw_post(url, body)
+        assert status == 400, raw
+        assert_error_shape(json.loads(raw), "invalid_request_error")
+    status, _, raw = raw_post(f"{api}/nothing-here", b"{}")
+    assert status == 404
+    assert_error_shape(json.loads(raw), "not_found_error")
+
+
+def test_full_lanes_and_queue_get_429_and_a_closed_stream_frees_its_lane(smollm2, start_pipeline):
+    # One lane, room for one waiting session: a running stream, one request waiting, and
+    # the next one refused.
+    pipeline, base_url = start_api(start_pipeline, smollm2, lane_count=1, admission_queue=1)
+    try:
+        client = client_for(base_url)
+        running = client.completions.create(model="m", prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=1500,
+                                            stream=True)
+        first = next(iter(running))
+        assert first.choices[0].text
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            calls = [pool.submit(client.chat.completions.create, model="m", messages=CHATS[0], temperature=0,
+                                 max_tokens=4) for _ in range(2)]
+            done, _ = wait(calls, timeout=30, return_when=FIRST_COMPLETED)
+            assert len(done) == 1, "neither of two requests beyond the queue was refused"
+            refused = done.pop()
+            err = refused.exception()
+            assert isinstance(err, openai.RateLimitError), err
+            assert err.status_code == 429
+            assert int(err.response.headers["retry-after"]) >= 1
+            assert_error_shape(err.response.json(), "rate_limit_error")
+            assert "queue" in err.body["message"]
+
+            # Closing the running stream must stop its generation (1500 tokens would take
+            # far longer than this), so the waiting request gets the lane.
+            started = time.monotonic()
+            running.close()
+            waiting = next(c for c in calls if c is not refused)
+            answer = waiting.result(timeout=30)
+            assert answer.choices[0].message.content
+            assert time.monotonic() - started < 30
+    finally:
+        pipeline.stop()
+
+
+def test_a_stage_down_gets_503(smollm2, start_pipeline):
+    pipeline, base_url = start_api(start_pipeline, smollm2)
+    try:
+        client = client_for(base_url)
+        assert client.chat.completions.create(model="m", messages=CHATS[0], max_tokens=2).choices
+        os.kill(pipeline.procs[2].pid, signal.SIGKILL)
+        pipeline.procs[2].wait(10)
+        with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 20
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "the head still reports SERVING with stage-2 killed"
+                time.sleep(0.1)
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as caught:
+                client.chat.completions.create(model="m", messages=CHATS[0], max_tokens=4, stream=stream)
+            err = caught.value
+            assert err.status_code == 503
+            assert "retry-after" in err.response.headers
+            assert_error_shape(err.response.json(), "server_error")
+            assert "stage-2" in err.body["message"] or "stage-1" in err.body["message"]
+        assert [m.id for m in client.models.list().data] == [smollm2.name]  # the head itself still answers
+    finally:
+        pipeline.stop()
