@@ -111,8 +111,12 @@ class LocalPipeline:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from skippy_stage.config import StageConfig
+        from skippy_stage.security import Credentials
+
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.head_endpoint) as channel:
+        credentials = Credentials.from_config(StageConfig.from_dict(self.configs[0]))
+        with credentials.channel(self.head_endpoint, []) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 for cfg, proc in zip(self.configs, self.procs):
@@ -166,9 +170,24 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
     return pipeline
 
 
+def _client_credentials(args: argparse.Namespace):  # noqa: ANN202
+    """TLS material and token for a client, from --tls-ca/--tls-cert/--tls-key/--token-file."""
+    from skippy_stage.security import Credentials
+
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    cert = read(args.tls_cert)
+    ca = read(args.tls_ca)
+    return Credentials(cert=cert, key=read(args.tls_key), ca=ca, token=token)
+
+
 def _generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float, seed: int | None,
-              chat: bool, out=sys.stdout) -> dict[str, float]:
+              chat: bool, out=sys.stdout, credentials=None) -> dict[str, float]:  # noqa: ANN001
     import grpc
+
+    from skippy_stage.security import Credentials
 
     from skippy_stage.v1 import stage_pb2 as pb
     from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -184,10 +203,11 @@ def _generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float
     started = time.perf_counter()
     first = None
     final = None
-    with grpc.insecure_channel(endpoint) as channel:
+    credentials = credentials or Credentials()
+    with credentials.channel(endpoint, []) as channel:
         stub = pb_grpc.StageServiceStub(channel)
         try:
-            for msg in stub.Generate(request, timeout=600):
+            for msg in stub.Generate(request, timeout=600, metadata=credentials.call_metadata()):
                 if msg.text:
                     if first is None:
                         first = time.perf_counter() - started
@@ -238,7 +258,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _generate(args.endpoint, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-              seed=args.seed, chat=args.chat)
+              seed=args.seed, chat=args.chat, credentials=_client_credentials(args))
     if sys.stdout.isatty():
         sys.stdout.write("\n")  # only for people: piped output is exactly the generated text
     return 0
@@ -325,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat user message")
+    p.add_argument("--tls-ca", help="CA certificate to verify the head with (TLS)")
+    p.add_argument("--tls-cert", help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", help="client key (mutual TLS)")
+    p.add_argument("--token-file", help="file holding the bearer token")
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 

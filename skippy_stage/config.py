@@ -120,6 +120,14 @@ class StageConfig:
     # A stage whose downstream has not answered within this many seconds of loading exits
     # non-zero (its orchestrator restarts it); later outages only make it NOT_SERVING.
     downstream_ready_timeout_s: float = 300.0
+    # TLS: certificate and key to serve with (and present downstream); with a CA, client
+    # certificates signed by it are required (mutual TLS) and the downstream is verified.
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    tls_ca_path: str | None = None
+    # A file holding the bearer token every RPC but Health must carry (and that this
+    # stage sends downstream).
+    auth_token_path: str | None = None
     # OpenAI-compatible HTTP API on this port, head stage only (unset: off).
     http_port: int | None = None
     admission_queue: int = 64
@@ -307,6 +315,13 @@ def _validate(cfg: StageConfig) -> None:
     _require_str(cfg, "cache_dir", optional=True)
     _require_str(cfg, "wire_dtype", choices=WIRE_DTYPES)
     _require_str(cfg, "hop_transport", choices=("stream", "unary"))
+    for name in ("tls_cert_path", "tls_key_path", "tls_ca_path", "auth_token_path"):
+        _require_str(cfg, name, optional=True)
+    if (cfg.tls_cert_path is None) != (cfg.tls_key_path is None):
+        raise _fail(cfg, "tls_cert_path" if cfg.tls_cert_path is None else "tls_key_path", None,
+                    "must be set together with its pair (tls_cert_path and tls_key_path)")
+    if cfg.tls_ca_path is not None and cfg.tls_cert_path is None:
+        raise _fail(cfg, "tls_ca_path", cfg.tls_ca_path, "needs tls_cert_path and tls_key_path (mutual TLS)")
     _require_str(cfg, "load_mode", choices=LOAD_MODES)
     if cfg.load_mode == "layer-package":
         raise _fail(cfg, "load_mode", cfg.load_mode, "is refused: layer-package schema v1 is offline-only")

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError
+from skippy_stage.security import Credentials
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -68,13 +69,12 @@ class _HopStream:
     frame opens a new stream.
     """
 
-    def __init__(self, stub: pb_grpc.StageServiceStub, translate) -> None:  # noqa: ANN001
+    def __init__(self, stub: pb_grpc.StageServiceStub, metadata) -> None:  # noqa: ANN001
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._broken: grpc.RpcError | None = None
-        self._translate = translate
-        self._call = stub.ActivationStream(self._requests())
+        self._call = stub.ActivationStream(self._requests(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="hop-stream-reader", daemon=True)
         self._reader.start()
 
@@ -139,11 +139,13 @@ class DownstreamClient:
     """One channel to the next stage, shared by every request thread."""
 
     def __init__(self, peer: PeerConfig, *, max_message_bytes: int, hop_timeout_s: float,
-                 transport: str = "stream") -> None:
+                 transport: str = "stream", credentials: Credentials | None = None) -> None:
         self.peer = peer
         self.hop_timeout_s = hop_timeout_s
         self.transport = transport
-        self._channel = grpc.insecure_channel(peer.endpoint, options=channel_options(max_message_bytes))
+        creds = credentials or Credentials()
+        self._metadata = creds.call_metadata()
+        self._channel = creds.channel(peer.endpoint, channel_options(max_message_bytes))
         self._stub = pb_grpc.StageServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
@@ -176,7 +178,7 @@ class DownstreamClient:
         if self.transport == "stream":
             return self._forward_stream(request, remaining)
         try:
-            return self._stub.ActivationFrame(request, timeout=self._timeout(remaining))
+            return self._stub.ActivationFrame(request, timeout=self._timeout(remaining), metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._translate(err) from None
 
@@ -185,7 +187,7 @@ class DownstreamClient:
             if self._stream is None or self._stream.broken:
                 if self._stream is not None:
                     self._stream.close()
-                self._stream = _HopStream(self._stub, self._translate)
+                self._stream = _HopStream(self._stub, self._metadata)
             return self._stream
 
     def _forward_stream(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
@@ -215,13 +217,14 @@ class DownstreamClient:
 
     def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
         try:
-            return self._stub.DropSession(pb.DropSessionRequest(session_id=session_id), timeout=self._timeout(remaining))
+            return self._stub.DropSession(pb.DropSessionRequest(session_id=session_id), timeout=self._timeout(remaining),
+                                          metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._translate(err) from None
 
     def status(self, timeout_s: float) -> pb.StageStatus:
         try:
-            return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+            return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._translate(err) from None
 

@@ -36,6 +36,7 @@ from skippy_stage.errors import (
 )
 from skippy_stage.head import Finish, Generator
 from skippy_stage.messages import generate_spec_from_pb, sampling_to_pb
+from skippy_stage.security import BearerTokenInterceptor, Credentials
 from skippy_stage.stage import Stage, StageState, Timeouts
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -240,14 +241,19 @@ class StageServer:
         self.config = config
         self.stage = Stage(config, max_message_bytes=config.max_message_bytes, timeouts=timeouts)
         self.health = health.HealthServicer(experimental_non_blocking=True)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+        credentials = Credentials.from_config(config)
+        interceptors = [BearerTokenInterceptor(credentials.token)] if credentials.token else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                                   options=server_options(config.max_message_bytes))
         self.servicer = StageServicer(self.stage)
         pb_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self._set_health(False)
-        self.port = self.server.add_insecure_port(config.bind_addr)
+        if credentials.tls:
+            self.port = self.server.add_secure_port(config.bind_addr, credentials.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(config.bind_addr)
         if self.port == 0:
             raise ConfigError(f"stage {config.stage_id}: cannot bind {config.bind_addr} (port in use or address unavailable)")
         self.http = None

@@ -22,6 +22,7 @@ from skippy_stage.errors import DownstreamError, InvalidRequestError, UnknownSes
 from skippy_stage.messages import PB_TO_DTYPE, StageShape, entries_from_request, forward_request, response_from_results
 from skippy_stage.metrics import StageMetrics
 from skippy_stage.runtime import StageRuntime
+from skippy_stage.security import Credentials
 from skippy_stage.slicing import read_model_info
 from skippy_stage.v1 import stage_pb2 as pb
 
@@ -72,7 +73,7 @@ class Stage:
         self._state_lock = threading.Lock()
         self.downstream = (
             DownstreamClient(config.downstream, max_message_bytes=max_message_bytes, hop_timeout_s=timeouts.hop_s,
-                             transport=config.hop_transport)
+                             transport=config.hop_transport, credentials=Credentials.from_config(config))
             if config.downstream is not None
             else None
         )
