@@ -384,6 +384,21 @@ class _Generation:
 # -- the app ---------------------------------------------------------------------------
 
 
+def _ready_generator(servicer: Any) -> Generator:
+    """The head's Generator; refused (503) while the head knows its chain is down.
+
+    ``_head`` checks only this stage's own state. A new request is refused at once rather
+    than left to wait out the scheduler's recovery window: its client may retry elsewhere.
+    """
+    generator = servicer._head()
+    stage = servicer.stage
+    if not stage.ready:
+        below = stage.config.downstream.stage_id if stage.config.downstream else stage.config.stage_id
+        raise DownstreamError(f"the chain below stage {stage.config.stage_id} is not ready: "
+                              f"{stage.downstream_health.detail or 'not serving'}", stage_id=below)
+    return generator
+
+
 def _model_id(servicer: Any) -> str:
     config = servicer.stage.config
     return config.model_id or Path(config.model_path).name
@@ -428,7 +443,7 @@ class _Endpoint:
         try:
             body = await _read_json(request)
             parsed = parse_request(body, chat=self.chat)
-            generator: Generator = await asyncio.to_thread(self.servicer._head)
+            generator = await asyncio.to_thread(_ready_generator, self.servicer)
             spec = parsed.spec(generator.max_context)
         except SkippyError as exc:
             return self._refuse(exc)

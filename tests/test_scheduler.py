@@ -328,11 +328,13 @@ def test_a_cancelled_waiting_task_is_skipped_without_a_session(make_scheduler):
 # -- failure and cancellation --------------------------------------------------------
 
 
-def test_a_failed_step_fails_every_task_of_its_batch_and_drops_their_sessions(make_scheduler):
-    error = DownstreamError("stage stage-2 is gone", stage_id="stage-2")
+@pytest.mark.parametrize(("code_name", "limits"), [("INTERNAL", {}), ("UNAVAILABLE", {"recovery_wait_s": 0})],
+                         ids=["not-recoverable", "recovery-disabled"])
+def test_a_failed_step_fails_every_task_of_its_batch_and_drops_their_sessions(make_scheduler, code_name, limits):
+    error = DownstreamError("stage stage-2 failed", stage_id="stage-2", code_name=code_name)
     chain = FakeChain(fail=lambda request: error if len(request.entries) == 2 else None)
     chain.gate.clear()
-    scheduler = make_scheduler(chain)
+    scheduler = make_scheduler(chain, **limits)
     a, b = make_task("a", 2, 5), make_task("b", 2, 5)
     scheduler.submit(a)
     chain.next_request()
