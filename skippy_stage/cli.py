@@ -188,7 +188,6 @@ def _generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float
     import grpc
 
     from skippy_stage.security import Credentials
-
     from skippy_stage.v1 import stage_pb2 as pb
     from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 

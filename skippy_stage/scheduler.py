@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from skippy_stage.errors import CapacityError, DownstreamError, SkippyError, UnknownSessionError
+from skippy_stage.errors import CapacityError, DownstreamError, RuntimeFailure, SkippyError, UnknownSessionError
 from skippy_stage.v1 import stage_pb2 as pb
 
 log = structlog.get_logger("skippy_stage.scheduler")
@@ -317,6 +317,13 @@ class Scheduler:
                     task.cancel()
             return
         self.steps += 1
+        if len(response.outputs) != len(plan):
+            exc = RuntimeFailure(f"stage {response.final_stage_id} answered {len(response.outputs)} outputs "
+                                 f"for {len(plan)} entries")
+            for task, _ in plan:
+                task.events.put(Failed(exc))
+                task.cancel()
+            return
         for (task, n_prefill), out in zip(plan, response.outputs):
             task.prefilled += n_prefill
             if not out.has_token:
