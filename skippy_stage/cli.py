@@ -244,6 +244,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="skippy-up-") as tmp:
         pipeline = _start_pipeline(args, Path(tmp))
         print(pipeline.head_endpoint, flush=True)
+        if args.http_port is not None:
+            print(f"# OpenAI-compatible API at http://{args.host}:{args.http_port}/v1", file=sys.stderr, flush=True)
         try:
             while not stop["now"]:
                 for cfg, proc in zip(pipeline.configs, pipeline.procs):

@@ -10,22 +10,26 @@ A request body is checked field by field by :func:`parse_request`, which names t
 in its message and in the error's ``param``. Domain errors become HTTP statuses in one
 place, :func:`http_error_for`, on top of the gRPC edge's own mapping (``service.status_for``)::
 
-    InvalidRequestError, bad JSON, wrong type      -> 400 invalid_request_error
-    CapacityError (lanes and admission queue full) -> 429 rate_limit_error (+ Retry-After)
-    DownstreamError (the chain is down, loading)   -> 503 server_error (+ Retry-After)
-    anything else                                  -> 500 server_error
+    InvalidRequestError, bad JSON, wrong type       -> 400 invalid_request_error
+    CapacityError (lanes and admission queue full)  -> 429 rate_limit_error (+ Retry-After)
+    DownstreamError (chain down, loading, draining) -> 503 server_error (+ Retry-After)
+    anything else                                   -> 500 server_error
 
 Where a request leaves a field out, OpenAI's default applies, not ``Generate``'s: sampling
 at temperature 1, and 16 tokens for a completion (as many as the session holds for chat).
+The listener uses the stage's own credentials (TLS files, bearer token). Stopping lets
+generations in flight finish within a grace period and ends the rest with a 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import math
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -39,14 +43,17 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skippy_stage.errors import ConfigError, DownstreamError, InvalidRequestError, SkippyError
 from skippy_stage.head import Finish, Generator, Piece
 from skippy_stage.messages import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
 from skippy_stage.sampling import RANDOM_SEED, SamplingParams
+from skippy_stage.security import Credentials
 
 log = structlog.get_logger("skippy_stage.openai_api")
 
@@ -323,6 +330,26 @@ async def _unexpected(_request: Request, exc: Exception) -> Response:
 _END = object()
 
 
+class _Live:
+    """The generations in flight, so that stopping the server can drain and then end them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: set[_Generation] = set()
+
+    def add(self, generation: _Generation) -> None:
+        with self._lock:
+            self._items.add(generation)
+
+    def discard(self, generation: _Generation) -> None:
+        with self._lock:
+            self._items.discard(generation)
+
+    def snapshot(self) -> list[_Generation]:
+        with self._lock:
+            return list(self._items)
+
+
 class _Generation:
     """One Generator.generate run on its own thread; its events reach the event loop by a queue.
 
@@ -330,10 +357,12 @@ class _Generation:
     admission queue for a long time and must not hold back others.
     """
 
-    def __init__(self, generator: Generator, spec: GenerateSpec) -> None:
+    def __init__(self, generator: Generator, spec: GenerateSpec, live: _Live) -> None:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[object] = asyncio.Queue()
         self._gone = threading.Event()
+        self._live = live
+        live.add(self)
         self._thread = threading.Thread(target=self._drive, args=(generator, spec), name="openai-generate",
                                         daemon=True)
         self._thread.start()
@@ -351,6 +380,7 @@ class _Generation:
         except Exception as exc:  # noqa: BLE001 -- handed to the request's coroutine, which reports it
             self._post(exc)
         finally:
+            self._live.discard(self)
             self._post(_END)
 
     def _post(self, item: object) -> None:
@@ -362,6 +392,11 @@ class _Generation:
     def cancel(self) -> None:
         """Stop generating: the client is gone or has what it needs."""
         self._gone.set()
+
+    def abort(self, exc: SkippyError) -> None:
+        """End the generation with ``exc`` for its client (from any thread)."""
+        self._gone.set()
+        self._post(exc)
 
     async def next(self) -> Piece | Finish | None:
         """The next event; None once the generation has ended (or was cancelled)."""
@@ -416,8 +451,9 @@ def _sse(data: object) -> bytes:
 class _Endpoint:
     """/v1/completions or /v1/chat/completions: parse, generate, shape the answer."""
 
-    def __init__(self, servicer: Any, *, chat: bool) -> None:
+    def __init__(self, servicer: Any, live: _Live, *, chat: bool) -> None:
         self.servicer = servicer
+        self.live = live
         self.chat = chat
         self.name = "openai.chat.completions" if chat else "openai.completions"
         self.object = "chat.completion" if chat else "text_completion"
@@ -447,7 +483,7 @@ class _Endpoint:
             spec = parsed.spec(generator.max_context)
         except SkippyError as exc:
             return self._refuse(exc)
-        generation = _Generation(generator, spec)
+        generation = _Generation(generator, spec, self.live)
         watcher = asyncio.create_task(generation.watch(request))
         head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": _model_id(self.servicer)}
@@ -533,8 +569,30 @@ async def _read_json(request: Request) -> object:
         raise InvalidFieldError(None, f"the request body is not valid JSON: {exc}") from None
 
 
-def build_app(servicer: Any) -> Starlette:
-    """The ASGI app over a head's StageServicer."""
+class _BearerToken:
+    """Refuses every request without ``Authorization: Bearer <token>`` (the stage's auth_token_path).
+
+    The openai client sends its ``api_key`` this way.
+    """
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self._expected):
+                body = _error_body("missing or wrong bearer token in the Authorization header",
+                                   "invalid_request_error", code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(servicer: Any, live: _Live | None = None, *, token: str | None = None) -> Starlette:
+    """The ASGI app over a head's StageServicer; with ``token``, every request must carry it."""
+    live = _Live() if live is None else live
 
     async def models(_request: Request) -> Response:
         model = {"id": _model_id(servicer), "object": "model", "created": 0, "owned_by": "skippy-stage"}
@@ -542,10 +600,12 @@ def build_app(servicer: Any) -> Starlette:
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", _Endpoint(servicer, chat=False).handle, methods=["POST"]),
-        Route("/v1/chat/completions", _Endpoint(servicer, chat=True).handle, methods=["POST"]),
+        Route("/v1/completions", _Endpoint(servicer, live, chat=False).handle, methods=["POST"]),
+        Route("/v1/chat/completions", _Endpoint(servicer, live, chat=True).handle, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
+    middleware = [Middleware(_BearerToken, token=token)] if token else []
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
 
 
 # -- the server ------------------------------------------------------------------------
@@ -554,18 +614,33 @@ def build_app(servicer: Any) -> Starlette:
 class OpenAIServer:
     """uvicorn on a background thread of the stage process, serving :func:`build_app`."""
 
-    def __init__(self, servicer: Any, *, host: str, port: int, graceful_s: float = 5.0) -> None:
+    def __init__(self, servicer: Any, *, host: str, port: int, grace_s: float = 5.0) -> None:
         self.servicer = servicer
         self.host = host
         self.requested_port = port
         self.port: int | None = None
-        self.graceful_s = graceful_s
+        self.grace_s = grace_s
+        self._live = _Live()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Bind, start serving, and return once the socket listens (port 0: see ``port``)."""
-        stage_id = self.servicer.stage.config.stage_id
+        cfg = self.servicer.stage.config
+        # The same credentials as the gRPC listener: its TLS certificate (and client CA), its token.
+        credentials = Credentials.from_config(cfg)
+        tls: dict[str, Any] = {}
+        if cfg.tls_cert_path is not None:
+            tls = {"ssl_certfile": cfg.tls_cert_path, "ssl_keyfile": cfg.tls_key_path}
+            if cfg.tls_ca_path is not None:
+                tls.update(ssl_ca_certs=cfg.tls_ca_path, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        app = build_app(self.servicer, self._live, token=credentials.token)
+        config = uvicorn.Config(app, loop="asyncio", http="h11", ws="none", lifespan="off", log_config=None,
+                                access_log=False, timeout_graceful_shutdown=5, **tls)
+        try:
+            config.load()  # here, so that a bad certificate fails the start with its reason
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"stage {cfg.stage_id}: the OpenAI API cannot load its TLS files: {exc}") from None
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -574,12 +649,9 @@ class OpenAIServer:
             sock.listen(2048)
         except OSError as exc:
             sock.close()
-            raise ConfigError(f"stage {stage_id}: http_port={self.requested_port} cannot be bound on "
+            raise ConfigError(f"stage {cfg.stage_id}: http_port={self.requested_port} cannot be bound on "
                               f"{self.host}: {exc.strerror or exc}") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.servicer), loop="asyncio", http="h11", ws="none", lifespan="off",
-                                log_config=None, access_log=False,
-                                timeout_graceful_shutdown=max(1, math.ceil(self.graceful_s)))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="openai-http",
                                         daemon=True)
@@ -587,16 +659,31 @@ class OpenAIServer:
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise ConfigError(f"stage {stage_id}: the OpenAI API did not start on {self.host}:{self.port}")
+                self.stop(0)
+                sock.close()
+                raise ConfigError(f"stage {cfg.stage_id}: the OpenAI API did not start on {self.host}:{self.port}")
             time.sleep(0.01)
-        log.info("openai api listening", stage_id=stage_id, host=self.host, port=self.port)
+        log.info("openai api listening", stage_id=cfg.stage_id, host=self.host, port=self.port,
+                 tls=bool(tls), token=credentials.token is not None)
 
-    def stop(self) -> None:
-        """Stop taking connections; open streams get ``graceful_s`` to finish, then are cut."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Let generations in flight finish within ``grace_s``, end the rest with a 503, stop.
+
+        New requests meanwhile get 503 from the draining stage (``_head`` refuses them).
+        """
         if self._server is None or self._thread is None:
             return
+        deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
+        while self._live.snapshot() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        config = self.servicer.stage.config
+        left = self._live.snapshot()
+        for generation in left:
+            generation.abort(DownstreamError(f"stage {config.stage_id} is shutting down; retry on another replica",
+                                             stage_id=config.stage_id))
+        if left:
+            log.warning("openai api: generations cut by shutdown", stage_id=config.stage_id, count=len(left))
         self._server.should_exit = True
-        self._thread.join(self.graceful_s + 5)
+        self._thread.join(10)
         self._server = None
         self._thread = None

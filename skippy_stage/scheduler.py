@@ -144,7 +144,9 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise CapacityError("the head is shutting down; retry on another replica")
-            if len(self._waiting) >= self.limits.max_queue:
+            # A free lane admits at once; only sessions that must wait count against the queue.
+            free_lanes = max(0, self.limits.lane_count - sum(len(g) for g in self._groups))
+            if len(self._waiting) >= self.limits.max_queue + free_lanes:
                 raise CapacityError(
                     f"admission queue is full ({self.limits.max_queue} sessions waiting for a lane); "
                     f"retry after {self._retry_hint_ms()} ms",

@@ -105,6 +105,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def _head(self) -> Generator:
         """The head's generator; new generations are refused unless the stage is SERVING."""
         self.stage.require_runtime(draining_ok=False)
+        if not self.stage.ready:
+            # New sessions fail fast; admitted ones wait for a recovery (recovery_wait_s).
+            raise DownstreamError(f"the chain below {self.stage.config.stage_id} is not ready: "
+                                  f"{self.stage.downstream_health.detail}", stage_id=self.stage.config.stage_id)
         with self._generator_lock:
             if self._generator is None:
                 self._generator = Generator(self.stage)
@@ -333,7 +337,7 @@ class StageServer:
         self._set_health(False)
         self._stop.set()
         if self.http is not None:
-            self.http.stop()
+            self.http.stop(grace_s)
         closing = threading.Thread(target=self.servicer.close, name="drain-scheduler", daemon=True)
         closing.start()
         stopped = self.server.stop(grace_s)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -283,5 +282,27 @@ def test_a_stage_down_gets_503(smollm2, start_pipeline):
             assert_error_shape(err.response.json(), "server_error")
             assert "not ready" in err.body["message"]
         assert [m.id for m in client.models.list().data] == [smollm2.name]  # the head itself still answers
+    finally:
+        pipeline.stop()
+
+
+def test_with_an_auth_token_every_request_must_carry_it_as_the_api_key(smollm2, start_pipeline, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    pipeline, base_url = start_api(start_pipeline, smollm2, auth_token_path=str(token_file))
+    try:
+        for key in ("wrong", None):
+            client = client_for(base_url)
+            if key is None:
+                client = client.with_options(default_headers={"Authorization": ""})
+            else:
+                client.api_key = key
+            with pytest.raises(openai.AuthenticationError) as caught:
+                client.models.list()
+            assert caught.value.status_code == 401
+            assert_error_shape(caught.value.response.json(), "invalid_request_error")
+        client = openai.OpenAI(base_url=base_url, api_key="s3cret-token", max_retries=0, timeout=60)
+        answer = client.chat.completions.create(model="m", messages=CHATS[0], temperature=0, max_tokens=4)
+        assert answer.choices[0].message.content
     finally:
         pipeline.stop()

@@ -8,6 +8,7 @@ pipeline is stopped at the end of its test.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,9 @@ from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
+# The three stages share this machine's cores; llama.cpp threads that outnumber them spin
+# against each other (cli.py measured 9 tok/s with 2 threads x 3 stages on 2 cores, 58 with 1).
+THREADS = max(1, (os.cpu_count() or 1) // len(RANGES))
 
 _PARAGRAPH = (
     "The history of the lighthouse begins in the ancient world, when fires were lit on hilltops to guide "
@@ -60,7 +64,7 @@ def generate_with_count(endpoint: str, prompt: str, max_tokens: int) -> tuple[st
 
 
 def test_eight_concurrent_sessions_with_mixed_prompt_lengths_give_the_sequential_greedy_texts(smollm2, start_pipeline):
-    pipeline = start_pipeline(smollm2, RANGES, lane_count=8, n_ubatch=64, max_inflight=2, ctx_size=4096)
+    pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS, lane_count=8, n_ubatch=64, max_inflight=2, ctx_size=4096)
     head = pipeline.head_endpoint
     try:
         sequential = [generate_with_count(head, p, 16) for p in MIXED_PROMPTS]
@@ -109,13 +113,14 @@ class _Stream:
 
 def test_the_admission_queue_refuses_over_grpc_with_a_retry_hint_and_the_stage_keeps_serving(
         smollm2, start_pipeline):
-    pipeline = start_pipeline(smollm2, RANGES, lane_count=1, admission_queue=1, admission_wait_s=2)
+    pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS, lane_count=1, admission_queue=1, admission_wait_s=2)
     head = pipeline.head_endpoint
     channel = grpc.insecure_channel(head)
     try:
         stub = pb_grpc.StageServiceStub(channel)
-        # ~33 ms a token on this machine: 400 tokens keep the only lane busy far beyond the 2 s wait.
-        running = _Stream(stub, PROMPTS[1], 400)
+        # 1500 tokens (~25 s even at 60 tok/s) keep the only lane busy far beyond the 2 s wait;
+        # the test cancels it once the queue has been seen refusing.
+        running = _Stream(stub, PROMPTS[1], 1500)
         assert running.streaming.wait(30) and running.error is None
         queued = _Stream(stub, PROMPTS[0], 8)
         time.sleep(1.0)  # let the head put it in the queue (no RPC reports the queue depth)
@@ -159,7 +164,7 @@ def lossy_reference(smollm2) -> list[str]:
 
 
 def test_the_default_f32_wire_gives_exactly_the_unsplit_models_greedy_texts(smollm2, f32_reference, start_pipeline):
-    pipeline = start_pipeline(smollm2, RANGES)
+    pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS)
     try:
         assert [status(str(c["bind_addr"])).wire_dtype for c in pipeline.configs] == ["f32"] * 3
         texts = [grpc_generate(pipeline.head_endpoint, p, F32_TOKENS)[0] for p in PROMPTS]
@@ -172,7 +177,7 @@ def test_the_default_f32_wire_gives_exactly_the_unsplit_models_greedy_texts(smol
 @pytest.mark.parametrize("wire_dtype", ["f16", "bf16"])
 def test_half_precision_wires_keep_the_greedy_texts_of_unambiguous_prompts(wire_dtype, smollm2, lossy_reference,
                                                                           start_pipeline):
-    pipeline = start_pipeline(smollm2, RANGES, wire_dtype=wire_dtype)
+    pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS, wire_dtype=wire_dtype)
     try:
         assert [status(str(c["bind_addr"])).wire_dtype for c in pipeline.configs] == [wire_dtype] * 3
         texts = [grpc_generate(pipeline.head_endpoint, p, LOSSY_TOKENS)[0] for p in LOSSY_PROMPTS]
@@ -183,7 +188,7 @@ def test_half_precision_wires_keep_the_greedy_texts_of_unambiguous_prompts(wire_
 
 
 def test_int8_wire_codec_generates_text_without_error(smollm2, start_pipeline):
-    pipeline = start_pipeline(smollm2, RANGES, wire_dtype="int8")
+    pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS, wire_dtype="int8")
     try:
         for prompt in PROMPTS:
             text, last = grpc_generate(pipeline.head_endpoint, prompt, 16)
