@@ -107,8 +107,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.stage.require_runtime(draining_ok=False)
         if not self.stage.ready:
             # New sessions fail fast; admitted ones wait for a recovery (recovery_wait_s).
+            below = self.stage.config.downstream
             raise DownstreamError(f"the chain below {self.stage.config.stage_id} is not ready: "
-                                  f"{self.stage.downstream_health.detail}", stage_id=self.stage.config.stage_id)
+                                  f"{self.stage.downstream_health.detail}",
+                                  stage_id=below.stage_id if below else self.stage.config.stage_id)
         with self._generator_lock:
             if self._generator is None:
                 self._generator = Generator(self.stage)
