@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from skippy_stage import wire
-from skippy_stage.errors import InvalidRequestError
+from skippy_stage.errors import InvalidRequestError, RuntimeFailure
 from skippy_stage.runtime import BatchEntry, EntryResult
 from skippy_stage.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.v1 import stage_pb2 as pb
@@ -144,7 +144,11 @@ def forward_request(
         dtype=shape.wire_dtype, producer_stage_index=shape.stage_index, layer_start=shape.layer_start,
         layer_end=shape.layer_end, token_count=int(rows.shape[0]), sequence_count=len(results), width=shape.n_embd,
     )
-    payload = wire.encode(rows, shape.wire_dtype)
+    try:
+        payload = wire.encode(rows, shape.wire_dtype)
+    except ValueError as exc:  # values the configured codec cannot carry (f16 range, int8 NaN)
+        raise RuntimeFailure(f"stage {shape.stage_id}: wire_dtype={shape.wire_dtype} cannot encode this "
+                             f"batch's hidden states: {exc}") from exc
     return pb.IterationBatchRequest(
         request_id=req.request_id,
         entries=req.entries,

@@ -212,16 +212,25 @@ class Scheduler:
                 finished = [t for t in group if t.cancelled]
                 for task in finished:
                     self._release_locked(group, task)
-                if self._closed and not group:
-                    return
-                self._admit_locked(group)
+                closing = self._closed and not group
+                if not closing:
+                    self._admit_locked(group)
                 batch = list(group)
-                if not batch and not finished:
+                if not batch and not finished and not closing:
                     self._cond.wait(0.05)
             for task in finished:
                 self._free(task)
+            if closing:
+                return
             if batch:
-                self._run_step(batch)
+                try:
+                    self._run_step(batch)
+                except Exception as exc:  # noqa: BLE001 - a dead worker would strand its sessions
+                    self.log.exception("scheduler step crashed", sessions=[t.session_id for t in batch])
+                    failure = RuntimeFailure(f"the head's scheduler failed a step: {exc!r}")
+                    for task in batch:
+                        task.events.put(Failed(failure))
+                        task.cancel()
 
     def _free(self, task: Task) -> None:
         try:

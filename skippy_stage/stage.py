@@ -18,7 +18,7 @@ import structlog
 
 from skippy_stage.config import StageConfig
 from skippy_stage.downstream import DownstreamClient, HealthProbe
-from skippy_stage.errors import DownstreamError, InvalidRequestError, UnknownSessionError
+from skippy_stage.errors import DownstreamError, InvalidRequestError, SkippyError, UnknownSessionError
 from skippy_stage.messages import PB_TO_DTYPE, StageShape, entries_from_request, forward_request, response_from_results
 from skippy_stage.metrics import StageMetrics
 from skippy_stage.runtime import StageRuntime
@@ -153,7 +153,11 @@ class Stage:
         m.batch_tokens.observe(sum(len(e.positions) for e in request.entries))
         if self.downstream is None:
             return response_from_results(results, self.config.stage_id)
-        forward = forward_request(request, results, self.shape)
+        try:
+            forward = forward_request(request, results, self.shape)
+        except SkippyError:
+            self.free_sessions([e.session_id for e in entries])  # this stage advanced; nobody below did
+            raise
         m.activation_bytes.labels("sent", self.shape.wire_dtype).inc(len(forward.frame.payload))
         started = time.perf_counter()
         try:

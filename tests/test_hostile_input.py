@@ -155,18 +155,18 @@ FLOAT32 = st.one_of(st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, 1e-45, 3.4e38, m
 
 @st.composite
 def sampling_params(draw: st.DrawFn) -> pb.SamplingParams:
-    """Mostly valid values with a hostile one mixed in now and then."""
-    msg = pb.SamplingParams(
-        temperature=draw(st.sampled_from([0.0, 0.0, 0.7]) | FLOAT32),
-        top_k=draw(st.sampled_from([0, 40]) | INT32),
-        min_p=draw(st.sampled_from([0.0, 0.05]) | FLOAT32),
-    )
+    """Mostly valid values, with a hostile one mixed in now and then."""
+    def value(plausible: list[object], hostile: st.SearchStrategy) -> object:
+        return draw(weighted((6, st.sampled_from(plausible)), (1, hostile)))
+
+    msg = pb.SamplingParams(temperature=value([0.0, 0.7, 1e30], FLOAT32), top_k=value([0, 40, INT32_MAX], INT32),
+                            min_p=value([0.0, 0.05], FLOAT32))
     if draw(st.booleans()):
-        msg.top_p = draw(st.sampled_from([0.9, 1.0]) | FLOAT32)
+        msg.top_p = value([0.9, 1.0, 1e-45], FLOAT32)
     if draw(st.booleans()):
-        msg.repeat_penalty = draw(st.sampled_from([1.1, 1.0]) | FLOAT32)
+        msg.repeat_penalty = value([1.1, 1.0, 1e30], FLOAT32)
     if draw(st.booleans()):
-        msg.repeat_last_n = draw(st.sampled_from([64, 0, 4096, 4097]) | INT32)
+        msg.repeat_last_n = value([64, 0, 4096], INT32)
     if draw(st.booleans()):
         msg.seed = draw(UINT32)
     return msg
@@ -334,7 +334,9 @@ def frame_specs(draw: st.DrawFn) -> FrameSpec:
 def batch_specs(*, frame: bool | None) -> st.SearchStrategy[BatchSpec]:
     """``frame``: True mostly with a frame, False mostly without, None either."""
     weight = {True: (1, 6), False: (6, 1), None: (1, 1)}[frame]
-    frames = weighted((weight[0], st.none()), (weight[1], frame_specs()))
+    # hypothesis favours the first choice: list the common one first.
+    frames = weighted((weight[1], frame_specs()), (weight[0], st.none())) if frame is not False else \
+        weighted((weight[0], st.none()), (weight[1], frame_specs()))
     return st.builds(
         BatchSpec,
         entries=weighted((12, st.lists(entry_specs(), min_size=1, max_size=4)), (1, st.just([])),
@@ -930,11 +932,16 @@ class Case:
         self._status(grpc.StatusCode.OK, "", what)
         return response
 
+    def _opened(self, stage: int, session_id: str, next_position: int | None) -> None:
+        """A call at ``stage`` succeeded: the session now lives there and on every stage below."""
+        self.opened.add((stage, session_id))
+        if next_position is not None:
+            for below in range(stage, len(RANGES)):
+                self.next_pos[(below, session_id)] = next_position
+
     def _opened_batch(self, stage: int, request: pb.IterationBatchRequest) -> None:
         for e in request.entries:
-            self.opened.add((stage, e.session_id))
-            if len(e.positions):
-                self.next_pos[(stage, e.session_id)] = e.positions[-1] + 1
+            self._opened(stage, e.session_id, e.positions[-1] + 1 if len(e.positions) else None)
 
     def _build(self, spec: BatchSpec, stage: int) -> pb.IterationBatchRequest:
         return build_batch(spec, stage, lambda sid: self.next_pos.get((stage, sid), 0))
@@ -968,8 +975,7 @@ class Case:
             if op.sampling is not None:
                 request.sampling.CopyFrom(op.sampling)
             if self.unary(op.stage, "Decode", request, f"Decode to stage-{op.stage}") is not None:
-                self.opened.add((op.stage, op.session_id))
-                self.next_pos[(op.stage, op.session_id)] = position + 1
+                self._opened(op.stage, op.session_id, position + 1)
         elif isinstance(op, DropOp):
             request = pb.DropSessionRequest(session_id=op.session_id)
             if self.unary(op.stage, "DropSession", request, f"DropSession to stage-{op.stage}") is not None:
@@ -1037,7 +1043,7 @@ class Case:
         if op.method in ("IterationBatch", "ActivationFrame"):
             self._opened_batch(op.stage, pb.IterationBatchRequest.FromString(payload))
         elif op.method == "Decode":
-            self.opened.add((op.stage, pb.DecodeRequest.FromString(payload).session_id))
+            self._opened(op.stage, pb.DecodeRequest.FromString(payload).session_id, None)
 
     def cleanup(self) -> None:
         for stage, session_id in sorted(self.opened):
@@ -1107,9 +1113,9 @@ OPEN_POOL = st.builds(
 
 
 def cases(op: st.SearchStrategy) -> st.SearchStrategy[tuple[object, ...]]:
-    """One to three calls, sometimes after a valid call that opened sessions of the pool."""
-    return st.tuples(st.lists(OPEN_POOL, max_size=1), st.lists(op, min_size=1, max_size=3)).map(
-        lambda t: tuple(t[0]) + tuple(t[1]))
+    """One to three calls, mostly after a valid call that opened sessions of the pool."""
+    opener = weighted((3, st.tuples(OPEN_POOL)), (1, st.just(())))
+    return st.tuples(opener, st.lists(op, min_size=1, max_size=3)).map(lambda t: tuple(t[0]) + tuple(t[1]))
 
 
 RPC_PROPERTIES: dict[str, st.SearchStrategy] = {

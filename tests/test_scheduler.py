@@ -431,8 +431,6 @@ def test_close_fails_queued_tasks_refuses_new_ones_and_lets_admitted_ones_finish
     assert "waiting" not in set().union(*chain.sessions_per_request())
 
 
-@pytest.mark.xfail(strict=True, reason="Scheduler._run returns on close right after releasing the tasks that just "
-                                       "finished, before _free drops their sessions (bug reported)")
 def test_close_still_drops_the_sessions_of_tasks_that_finish_while_closing(make_scheduler):
     chain = FakeChain()
     chain.gate.clear()
@@ -446,3 +444,27 @@ def test_close_still_drops_the_sessions_of_tasks_that_finish_while_closing(make_
     assert outcome(running) == (expected_tokens(running), End("length"))
     closer.join(WAIT_S)
     assert chain.drops == ["running"]
+
+
+def test_a_step_that_crashes_fails_its_tasks_and_the_worker_keeps_serving(make_scheduler):
+    """Anything a step raises (not only SkippyError) must reach the waiting clients."""
+    chain = FakeChain()
+    calls = {"n": 0}
+    real_step = chain.step
+
+    def flaky(request, timeout):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("boom")
+        return real_step(request, timeout)
+
+    chain.step = flaky
+    scheduler = make_scheduler(chain, lane_count=1)
+    first = make_task("first", 2, 3)
+    scheduler.submit(first)
+    event = first.events.get(timeout=5)
+    assert isinstance(event, Failed) and "boom" in str(event.error)
+    second = make_task("second", 2, 3)
+    scheduler.submit(second)
+    events = [second.events.get(timeout=5) for _ in range(4)]
+    assert isinstance(events[-1], End)
