@@ -282,11 +282,11 @@ def _validate(cfg: StageConfig) -> None:
         wait = getattr(cfg, name)
         if wait is None and name == "session_idle_ttl_s":
             continue
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 86400:
+            raise _fail(cfg, name, wait, "must be a number of seconds in (0, 86400]")
     if isinstance(cfg.recovery_wait_s, bool) or not isinstance(cfg.recovery_wait_s, (int, float)) \
             or not 0 <= cfg.recovery_wait_s <= 3600:
         raise _fail(cfg, "recovery_wait_s", cfg.recovery_wait_s, "must be a number of seconds in [0, 3600]")
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 86400:
-            raise _fail(cfg, name, wait, "must be a number of seconds in (0, 86400]")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)
     if cfg.n_ubatch > cfg.n_batch:
         raise _fail(cfg, "n_ubatch", cfg.n_ubatch, f"must be <= n_batch={cfg.n_batch}")

@@ -210,6 +210,11 @@ class Scheduler:
         while True:
             with self._cond:
                 finished = [t for t in group if t.cancelled]
+            # Free finished sessions on every stage *before* their lanes count as free here:
+            # otherwise another worker admits a session into a lane a stage still holds.
+            for task in finished:
+                self._free(task)
+            with self._cond:
                 for task in finished:
                     self._release_locked(group, task)
                 closing = self._closed and not group
@@ -218,8 +223,6 @@ class Scheduler:
                 batch = list(group)
                 if not batch and not finished and not closing:
                     self._cond.wait(0.05)
-            for task in finished:
-                self._free(task)
             if closing:
                 return
             if batch:

@@ -424,3 +424,10 @@ def test_peer_stage_index_must_be_an_integer() -> None:
     message = refused(downstream={**DOWNSTREAM, "stage_index": "1"})
 
     assert "stage-0" in message and "downstream.stage_index='1'" in message
+
+
+@pytest.mark.parametrize("field,value", [("session_idle_ttl_s", -1), ("admission_wait_s", "x"),
+                                         ("downstream_ready_timeout_s", 0), ("recovery_wait_s", -0.5)])
+def test_timeouts_must_be_positive_numbers_of_seconds(field, value):
+    with pytest.raises(ConfigError, match=field):
+        StageConfig.from_dict({**MINIMAL, field: value})
