@@ -314,6 +314,8 @@ class StageServer:
                     log.info("downstream health", stage_id=self.config.stage_id, ok=probe.ok, detail=probe.detail)
                 self.stage.downstream_health = probe
             self._set_health(self.stage.ready)
+            if self.stage.downstream_health.ok:
+                self.stage.retry_pending_drops()
             self.stage.expire_idle_sessions()
             self._stop.wait(timeouts.health_interval_s)
 

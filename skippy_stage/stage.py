@@ -79,6 +79,8 @@ class Stage:
         )
         self.downstream_health = HealthProbe(config.downstream is None, "not probed yet")
         self.metrics = StageMetrics(config.stage_id)
+        self._pending_drops: set[str] = set()
+        self._pending_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -182,16 +184,29 @@ class Stage:
         (A stage that already answered, when the reply was lost on the way back, has
         advanced its sessions.) The error travels up without waiting for this.
         """
-        downstream = self.downstream
+        with self._pending_lock:
+            self._pending_drops.update(session_ids)
+        threading.Thread(target=self.retry_pending_drops, name="drop-below", daemon=True).start()
 
-        def drop_all() -> None:
-            for session_id in session_ids:
-                try:
-                    downstream.drop_session(session_id, self.timeouts.health_probe_s)
-                except DownstreamError:
-                    pass  # not held below (NOT_FOUND) or the stage is gone: nothing to free
+    def retry_pending_drops(self) -> None:
+        """Send the drops the stages below have not confirmed yet.
 
-        threading.Thread(target=drop_all, name="drop-below", daemon=True).start()
+        Called after a failure and again whenever the downstream answers health checks, so a
+        session stranded below a cut link is freed as soon as the link is back (the idle TTL
+        is only the last resort).
+        """
+        if self.downstream is None:
+            return
+        with self._pending_lock:
+            pending = list(self._pending_drops)
+        for session_id in pending:
+            try:
+                self.downstream.drop_session(session_id, self.timeouts.health_probe_s)
+            except DownstreamError as exc:
+                if exc.code_name != "NOT_FOUND":
+                    continue  # still unreachable: keep it for the next retry
+            with self._pending_lock:
+                self._pending_drops.discard(session_id)
 
     def expire_idle_sessions(self) -> list[str]:
         """Free sessions idle for longer than session_idle_ttl_s; returns their ids."""
