@@ -102,6 +102,9 @@ class StageConfig:
     bind_addr: str = "127.0.0.1:0"
     upstream: PeerConfig | None = None
     downstream: PeerConfig | None = None
+    # Replacement stages serving the same layer range as the downstream, tried in order
+    # while the downstream does not answer (the head then re-prefills its sessions).
+    downstream_alternates: tuple[PeerConfig, ...] = ()
     cache_dir: str | None = None
     wire_dtype: str = "f32"
     # How frames travel to the downstream: one long-lived bidirectional stream, or one
@@ -185,6 +188,12 @@ class StageConfig:
         for side in ("upstream", "downstream"):
             if values.get(side) is not None:
                 values[side] = _peer(values[side], stage_id=stage_id, side=side)
+        alternates = values.get("downstream_alternates", ())
+        if not isinstance(alternates, (list, tuple)):
+            raise ConfigError(f"stage {stage_id}: downstream_alternates must be a list, got {alternates!r}")
+        values["downstream_alternates"] = tuple(
+            _peer(a, stage_id=stage_id, side=f"downstream_alternates[{i}]") for i, a in enumerate(alternates)
+        )
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -341,5 +350,12 @@ def _validate(cfg: StageConfig) -> None:
                 cfg, f"{side}.stage_index", peer.stage_index, f"must be {cfg.stage_index + offset} (stage_index{offset:+d})"
             )
         parse_endpoint(peer.endpoint, stage_id=cfg.stage_id, field_name=f"{side}.endpoint")
+    if cfg.downstream_alternates and cfg.downstream is None:
+        raise _fail(cfg, "downstream_alternates", len(cfg.downstream_alternates), "needs a downstream to stand in for")
+    for i, alt in enumerate(cfg.downstream_alternates):
+        if not isinstance(alt, PeerConfig) or alt.stage_index != cfg.stage_index + 1:
+            raise _fail(cfg, f"downstream_alternates[{i}].stage_index", getattr(alt, "stage_index", alt),
+                        f"must be {cfg.stage_index + 1}")
+        parse_endpoint(alt.endpoint, stage_id=cfg.stage_id, field_name=f"downstream_alternates[{i}].endpoint")
     if cfg.layer_start == 0 and cfg.upstream is not None:
         raise _fail(cfg, "upstream", cfg.upstream.stage_id, "must be unset for the head stage (layer_start=0)")

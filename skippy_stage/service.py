@@ -299,12 +299,27 @@ class StageServer:
                  layers=f"{self.config.layer_end}:{below.layer_end}", width=below.n_embd, wire_dtype=self.config.wire_dtype)
         return HealthProbe(True, "")
 
+    def _try_alternates(self) -> bool:
+        """Switch to the first configured stand-in that answers SERVING; True if switched."""
+        current = self.stage.downstream.peer
+        for peer in (self.config.downstream, *self.config.downstream_alternates):
+            if peer == current:
+                continue
+            candidate = self.stage.client_for(peer)
+            if candidate.probe_health(self.stage.timeouts.health_probe_s).ok:
+                self.stage.switch_downstream(candidate)
+                return True
+            candidate.close()
+        return False
+
     def _watch_downstream(self) -> None:
         timeouts = self.stage.timeouts
         edge_ok = False
         while not self._stop.is_set():
             if self.stage.downstream is not None:
                 probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
+                if not probe.ok and self._try_alternates():
+                    probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
                 if not probe.ok:
                     edge_ok = False
                 elif not edge_ok and self.stage.runtime is not None:

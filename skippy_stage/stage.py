@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from skippy_stage.config import StageConfig
+from skippy_stage.config import PeerConfig, StageConfig
 from skippy_stage.downstream import DownstreamClient, HealthProbe
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SkippyError, UnknownSessionError
 from skippy_stage.messages import PB_TO_DTYPE, StageShape, entries_from_request, forward_request, response_from_results
@@ -71,18 +71,26 @@ class Stage:
         self.architecture = ""
         self._state = StageState.LOADING
         self._state_lock = threading.Lock()
-        self.downstream = (
-            DownstreamClient(config.downstream, max_message_bytes=max_message_bytes, hop_timeout_s=timeouts.hop_s,
-                             transport=config.hop_transport, credentials=Credentials.from_config(config))
-            if config.downstream is not None
-            else None
-        )
+        self.downstream = self.client_for(config.downstream) if config.downstream is not None else None
         self.downstream_health = HealthProbe(config.downstream is None, "not probed yet")
         self.metrics = StageMetrics(config.stage_id)
         self._pending_drops: set[str] = set()
         self._pending_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------
+
+    def client_for(self, peer: PeerConfig) -> DownstreamClient:
+        return DownstreamClient(peer, max_message_bytes=self.max_message_bytes, hop_timeout_s=self.timeouts.hop_s,
+                                transport=self.config.hop_transport, credentials=Credentials.from_config(self.config))
+
+    def switch_downstream(self, client: DownstreamClient) -> None:
+        """Send frames to another stage serving the same layers (the old one stopped answering)."""
+        old, self.downstream = self.downstream, client
+        self.downstream_health = HealthProbe(False, f"switched to {client.peer.stage_id}; edge not agreed yet")
+        self.log.warning("downstream switched", from_stage=old.peer.stage_id if old else None,
+                         to_stage=client.peer.stage_id, endpoint=client.peer.endpoint)
+        if old is not None:
+            old.close()
 
     @property
     def state(self) -> StageState:
@@ -272,9 +280,9 @@ class Stage:
             include_output=cfg.include_output, state=self._state.value, wire_dtype=cfg.wire_dtype,
             downstream_ok=self.downstream_health.ok, downstream_error=self.downstream_health.detail if not self.downstream_health.ok else "",
         )
-        if cfg.downstream is not None:
-            msg.downstream_stage_id = cfg.downstream.stage_id
-            msg.downstream_endpoint = cfg.downstream.endpoint
+        if self.downstream is not None:
+            msg.downstream_stage_id = self.downstream.peer.stage_id
+            msg.downstream_endpoint = self.downstream.peer.endpoint
         if self.runtime is not None:
             s = self.runtime.stats()
             msg.n_embd = self.runtime.n_embd

@@ -193,3 +193,50 @@ def test_a_stage_killed_and_restarted_mid_generation_is_recovered_with_identical
         assert_no_active_sessions(pipeline.configs)
     finally:
         pipeline.stop()
+
+
+def test_a_killed_stage_is_replaced_by_a_configured_alternate_and_the_text_is_unchanged(smollm2, slice_cache, tmp_path):
+    """stage-1 lists stage-2b (same layers 20:30) as an alternate: when stage-2 dies, stage-1
+    switches to it, the head re-prefills its session through the new chain and goes on."""
+    from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
+
+    ports = _free_ports("127.0.0.1", 4)
+    configs = pipeline_configs(str(smollm2), [(0, 10), (10, 20), (20, 30)], host="127.0.0.1", ports=ports[:3],
+                               extra={"cache_dir": str(slice_cache), "n_threads": 1, "recovery_wait_s": 60})
+    alternate = {**configs[2], "stage_id": "stage-2b", "bind_addr": f"127.0.0.1:{ports[3]}"}
+    configs[1]["downstream_alternates"] = [{"stage_id": "stage-2b", "stage_index": 2,
+                                            "endpoint": alternate["bind_addr"]}]
+    pipeline = LocalPipeline([*configs, alternate], tmp_path)
+    try:
+        pipeline.wait_serving(120)
+        prompt = "Here is a short poem about the sea:\n"
+        undisturbed, _ = grpc_generate(pipeline.head_endpoint, prompt, 64)
+        pieces: list[str] = []
+        started = threading.Event()
+        outcome: dict[str, object] = {}
+
+        def run() -> None:
+            with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+                try:
+                    for msg in pb_grpc.StageServiceStub(channel).Generate(
+                            pb.GenerateRequest(prompt=prompt, max_tokens=64), timeout=120):
+                        pieces.append(msg.text)
+                        if len(pieces) >= 8:
+                            started.set()
+                        if msg.done:
+                            outcome["done"] = msg
+                except grpc.RpcError as err:
+                    outcome["error"] = err
+                started.set()
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert started.wait(60)
+        os.kill(pipeline.procs[2].pid, signal.SIGKILL)
+        worker.join(120)
+        assert "error" not in outcome, outcome.get("error")
+        assert "".join(pieces) == undisturbed
+        assert status(str(configs[1]["bind_addr"])).downstream_stage_id == "stage-2b"
+        assert_no_active_sessions([configs[0], configs[1], alternate])
+    finally:
+        pipeline.stop()
