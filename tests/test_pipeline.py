@@ -149,6 +149,12 @@ def test_killing_a_downstream_stage_fails_generate_fast_and_frees_the_session_up
         assert "stage-2" in err.details()
         print(f"kill -9 of stage-2 to the client's UNAVAILABLE: {(outcome['at'] - killed_at) * 1e3:.0f} ms")
         assert_no_active_sessions(pipeline.configs[:2])
+        # Restarted, it serves again with no operator action anywhere else.
+        pipeline.procs[2].wait()
+        pipeline.restart(2)
+        pipeline.wait_serving(60)
+        text, last = grpc_generate(head, PROMPTS[0], 8)
+        assert last.done and text
     finally:
         pipeline.stop()
 
