@@ -213,6 +213,8 @@ def load_config(path: str | os.PathLike[str]) -> StageConfig:
         raise ConfigError(f"stage config {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(f"stage config {path} is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # absurd nesting or integer length
+        raise ConfigError(f"stage config {path} cannot be read as a config: {type(exc).__name__}") from exc
     return StageConfig.from_dict(data)
 
 

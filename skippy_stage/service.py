@@ -68,8 +68,15 @@ def status_for(exc: SkippyError) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, str(exc)
 
 
+# gRPC carries the status message in metadata, capped at 16 KiB: a message repeating a huge
+# client value would turn into RESOURCE_EXHAUSTED on the way and hide the real code.
+MAX_STATUS_MESSAGE = 2048
+
+
 def _abort(context: grpc.ServicerContext, exc: SkippyError) -> None:
     code, message = status_for(exc)
+    if len(message) > MAX_STATUS_MESSAGE:
+        message = message[: MAX_STATUS_MESSAGE - 20] + " ...(truncated)"
     if isinstance(exc, DownstreamError):
         context.set_trailing_metadata(((FAILED_STAGE_KEY, exc.stage_id),))
     context.abort(code, message)

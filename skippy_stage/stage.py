@@ -252,8 +252,8 @@ class Stage:
 
     def drop_session(self, session_id: str, remaining_s: float | None) -> pb.DropSessionResponse:
         """Free the session here and on every stage below; NOT_FOUND only if no stage had it."""
-        if not session_id:
-            raise InvalidRequestError("session_id is empty")
+        if not session_id or len(session_id) > 256:
+            raise InvalidRequestError(f"session_id must be 1..256 characters, got {len(session_id)}")
         runtime = self.require_runtime()
         try:
             result = runtime.drop_session(session_id)

@@ -20,7 +20,8 @@ Requests are generated from compact specs (a payload is a dtype, a fill pattern 
 seed, not megabytes of bytes), so a falsifying example prints small and shrinks well.
 
 The default run is modest and reproducible (``derandomize=True``); the ``slow`` test
-runs every property again with at least 10,000 cases in all.
+runs every property again with at least 10,000 cases in all. Gaps the properties found
+are pinned, each by its minimal example, as non-strict ``xfail`` tests (they pass once fixed).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ N_EMBD = 576
 N_VOCAB = 49152
 SERVICE = "skippy.stage.v1.StageService"
 VALID_TOKENS = [1, 504, 3458, 282, 4649, 314, 253, 2114]
+MAX_SESSION_ID_LEN = 256
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
@@ -409,7 +411,7 @@ SIZES = st.one_of(st.integers(0, 8), st.sampled_from([N_EMBD, INT32_MAX, UINT32_
 def decode_inputs(draw: st.DrawFn) -> tuple[bytes, str, int, int]:
     dtype = draw(st.sampled_from(wire.DTYPES) | st.text(max_size=6))
     tokens, width = draw(SIZES), draw(SIZES)
-    if dtype in wire.DTYPES and tokens * width <= 4096 and draw(st.booleans()):
+    if dtype in wire.DTYPES and tokens * width <= 64 and draw(st.booleans()):
         size = max(0, wire.payload_size(dtype, tokens, width) + draw(st.sampled_from([0, 0, 0, -1, 1, 4])))
         payload = draw(st.binary(min_size=size, max_size=size))
     else:
@@ -637,7 +639,20 @@ def check_from_dict(data: object) -> None:
     except ConfigError as exc:
         assert str(exc)
         return
-    # Accepted: it survives its own serialisation (what `up` writes and `serve` reads).
+    # Accepted: every checked field has its type and range...
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for name in ("admission_wait_s", "downstream_ready_timeout_s", "session_idle_ttl_s"):
+        value = getattr(cfg, name)
+        assert (value is None and name == "session_idle_ttl_s") or (number(value) and 0 < value <= 86400), name
+    assert number(cfg.recovery_wait_s) and 0 <= cfg.recovery_wait_s <= 3600
+    for name in ("ctx_size", "lane_count", "n_batch", "n_ubatch", "n_threads", "max_inflight"):
+        value = getattr(cfg, name)
+        assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, name
+    for name in ("mmap", "mlock", "kv_offload", "kv_unified", "swa_full"):
+        assert isinstance(getattr(cfg, name), bool), name
+    # ...and it survives its own serialisation (what `up` writes and `serve` reads).
     again = StageConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert json.dumps(again.to_dict(), sort_keys=True) == json.dumps(cfg.to_dict(), sort_keys=True)
 
@@ -726,20 +741,20 @@ PURE_DEFAULT = {
     "messages.generate_spec_from_pb raises only InvalidRequestError": 100,
 }
 PURE_SLOW = {
-    "wire.decode raises only InvalidRequestError": 1500,
-    "wire payload -> rows -> payload round-trips": 800,
-    "wire rows -> payload -> rows round-trips": 800,
-    "wire.validate_descriptor raises only InvalidRequestError": 1500,
-    "messages.descriptor_from_pb raises only InvalidRequestError": 800,
-    "StageConfig.from_dict raises only ConfigError": 1500,
-    "load_config raises only ConfigError": 800,
-    "messages.entries_from_request raises only SkippyError": 1000,
-    "messages.generate_spec_from_pb raises only InvalidRequestError": 800,
+    "wire.decode raises only InvalidRequestError": 2000,
+    "wire payload -> rows -> payload round-trips": 1000,
+    "wire rows -> payload -> rows round-trips": 1000,
+    "wire.validate_descriptor raises only InvalidRequestError": 2000,
+    "messages.descriptor_from_pb raises only InvalidRequestError": 1000,
+    "StageConfig.from_dict raises only ConfigError": 2000,
+    "load_config raises only ConfigError": 1000,
+    "messages.entries_from_request raises only SkippyError": 1500,
+    "messages.generate_spec_from_pb raises only InvalidRequestError": 1000,
 }
 
 
-# Hostile payloads (an int8 scale near float32's largest, say) decode to inf with numpy's warning.
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# Hostile payloads (an int8 scale of inf, say) decode to inf or NaN with numpy's warning.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:skippy_stage.wire")
 @pytest.mark.parametrize("name", list(PURE_DEFAULT))
 def test_pure_property(name: str, tmp_path: Path) -> None:
     strategy, check = next((s, c) for n, s, c in pure_properties(tmp_path) if n == name)
@@ -760,7 +775,6 @@ def test_int8_keeps_float32_max_finite() -> None:
     assert np.isfinite(back).all(), back
 
 
-@pytest.mark.xfail(reason="load_config lets RecursionError out of json.loads for deeply nested JSON", strict=False)
 def test_deeply_nested_config_file_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
@@ -768,7 +782,6 @@ def test_deeply_nested_config_file_is_a_config_error(tmp_path: Path) -> None:
         load_config(path)
 
 
-@pytest.mark.xfail(reason="load_config lets ValueError out of json.loads for an int past 4300 digits", strict=False)
 def test_a_config_number_too_long_to_parse_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "long-int.json"
     path.write_text('{"ctx_size": ' + "9" * 5000 + "}")
@@ -776,8 +789,6 @@ def test_a_config_number_too_long_to_parse_is_a_config_error(tmp_path: Path) -> 
         load_config(path)
 
 
-@pytest.mark.xfail(reason="config._validate: the timeout checks for admission_wait_s, downstream_ready_timeout_s "
-                          "and session_idle_ttl_s sit under the recovery_wait_s raise and never run", strict=False)
 @pytest.mark.parametrize("key,value", [("session_idle_ttl_s", "soon"), ("admission_wait_s", -1.0),
                                        ("downstream_ready_timeout_s", math.nan)])
 def test_a_nonsense_timeout_is_a_config_error(key: str, value: object) -> None:
@@ -854,7 +865,7 @@ class Pipeline:
     def assert_serving_and_unchanged(self) -> None:
         self.assert_alive()
         for stage in self.stages:
-            for service in ("", SERVICE, "liveness"):
+            for service in ("", SERVICE):
                 status = stage.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT_S)
                 assert status.status == health_pb2.HealthCheckResponse.SERVING, (stage.index, service)
         self.assert_settled()
@@ -864,9 +875,11 @@ class Pipeline:
             assert stats["active_sessions"] == 0 and stats["total_session_tokens"] == 0
 
     def log_problems(self) -> list[str]:
-        """Lines in the stages' logs that say a handler blew up."""
+        """Lines in the stages' logs (stderr) that say a handler blew up."""
+        logs = sorted(self.log_dir.glob("*.log"))
+        assert len(logs) == len(self.stages) and all(p.stat().st_size for p in logs), "no stage logs to read"
         bad = ("Traceback", "Exception calling application", "Exception iterating responses", "Segmentation")
-        return [f"{p.name}: {line.strip()[:300]}" for p in sorted(self.log_dir.glob("*.log"))
+        return [f"{p.name}: {line.strip()[:300]}" for p in logs
                 for line in p.read_text(errors="replace").splitlines() if any(b in line for b in bad)]
 
 
@@ -947,7 +960,10 @@ class Case:
     # -- plumbing --
 
     def _status(self, code: grpc.StatusCode, details: str, what: str, also: frozenset = frozenset()) -> None:
-        self.codes[code.name] += 1
+        # An error message past gRPC's metadata limit arrives as RESOURCE_EXHAUSTED: allowed (it
+        # is a status), counted apart, and pinned by test_an_error_echoing_a_huge_value_keeps_its_code.
+        oversized = "metadata size exceeds hard limit" in details
+        self.codes[f"{code.name} (error message too big)" if oversized else code.name] += 1
         assert code in ALLOWED | also, f"{what}: {code.name}: {details!r}"
         if code == grpc.StatusCode.INTERNAL:  # only ever tolerated for undecodable bytes
             assert details == GRPC_DESERIALIZE_FAILURE, f"{what}: INTERNAL: {details!r}"
@@ -968,6 +984,8 @@ class Case:
 
     def _opened(self, stage: int, session_id: str, next_position: int | None) -> None:
         """A call at ``stage`` succeeded: the session now lives there and on every stage below."""
+        if not 1 <= len(session_id) <= MAX_SESSION_ID_LEN:
+            return  # refused by every stage: it cannot have been opened
         self.opened.add((stage, session_id))
         if next_position is not None:
             for below in range(stage, len(RANGES)):
@@ -1086,7 +1104,7 @@ class Case:
                                                       timeout=CALL_TIMEOUT_S)
             except grpc.RpcError as err:
                 # Gone already: a later call of the case failed and freed it, as it must.
-                assert err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), err
+                assert err.code() == grpc.StatusCode.NOT_FOUND, err
 
 
 def rpc_check(pipeline: Pipeline, codes: Counter[str]) -> Callable[[tuple[object, ...]], None]:
@@ -1164,8 +1182,8 @@ RPC_PROPERTIES: dict[str, st.SearchStrategy] = {
 # 150 cases in all by default.
 RPC_DEFAULT = {"IterationBatch": 35, "ActivationFrame": 30, "ActivationStream": 15, "Decode": 15, "DropSession": 15,
                "Generate": 25, "raw bytes": 15}
-RPC_SLOW = {"IterationBatch": 400, "ActivationFrame": 400, "ActivationStream": 200, "Decode": 200, "DropSession": 200,
-            "Generate": 200, "raw bytes": 200}
+RPC_SLOW = {"IterationBatch": 300, "ActivationFrame": 300, "ActivationStream": 150, "Decode": 150,
+            "DropSession": 150, "Generate": 150, "raw bytes": 150}
 
 
 @pytest.mark.parametrize("rpc", list(RPC_DEFAULT))
@@ -1191,9 +1209,24 @@ def test_undecodable_request_is_invalid_argument(pipeline: Pipeline) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
 
 
+@pytest.mark.parametrize("stage,rpc", [(0, "DropSession"), (2, "DropSession"), (0, "IterationBatch")])
+def test_an_error_echoing_a_huge_value_keeps_its_code(pipeline: Pipeline, stage: int, rpc: str) -> None:
+    session_id = "é" * 3000  # 6000 bytes of UTF-8, 18000 once percent-encoded into grpc-message
+    if rpc == "DropSession":
+        request: object = pb.DropSessionRequest(session_id=session_id)
+        expected = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}
+    else:
+        request = pb.IterationBatchRequest(entries=[pb.BatchEntry(session_id=session_id, positions=[0],
+                                                                  token_ids=[1])])
+        expected = {grpc.StatusCode.INVALID_ARGUMENT}
+    with pytest.raises(grpc.RpcError) as caught:
+        getattr(pipeline.stages[stage].stub, rpc)(request, timeout=CALL_TIMEOUT_S)
+    assert caught.value.code() in expected, caught.value.details()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:skippy_stage.wire")
 def test_slow_ten_thousand_hostile_cases(pipeline: Pipeline, tmp_path: Path) -> None:
     started = time.monotonic()
     counts: dict[str, int] = {}
