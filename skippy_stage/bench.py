@@ -94,9 +94,10 @@ def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, objec
 
 
 def stage_threads(n_stages: int) -> int:
-    """llama.cpp threads per local stage; SKIPPY_BENCH_STAGE_THREADS overrides (for experiments)."""
+    """llama.cpp threads per local stage, as `up` gives them (all cores: only a busy stage
+    spins); SKIPPY_BENCH_STAGE_THREADS overrides, e.g. 1 for cores/stages on 2 cores."""
     override = os.environ.get("SKIPPY_BENCH_STAGE_THREADS")
-    return int(override) if override else max(1, (os.cpu_count() or 1) // n_stages)
+    return int(override) if override else (os.cpu_count() or 1)
 
 
 class _Pipeline:
