@@ -78,7 +78,8 @@ def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, po
 class LocalPipeline:
     """``serve`` processes for a split on loopback; stopped together."""
 
-    def __init__(self, configs: list[dict[str, object]], workdir: Path, *, log_dir: Path | None = None) -> None:
+    def __init__(self, configs: list[dict[str, object]], workdir: Path, *, log_dir: Path | None = None,
+                 log_level: str | None = None) -> None:
         """``log_dir``: write each stage's stderr to ``<stage_id>.log`` there instead of ours."""
         self.configs = configs
         self.procs: list[subprocess.Popen] = []
@@ -91,7 +92,8 @@ class LocalPipeline:
                 stderr = (log_dir / f"{cfg['stage_id']}.log").open("w")
                 self.log_files.append(stderr)
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "skippy_stage", "serve", "--config", str(path)],
+                [sys.executable, "-m", "skippy_stage", *(["--log-level", log_level] if log_level else []),
+                 "serve", "--config", str(path)],
                 stdin=subprocess.DEVNULL, stderr=stderr,
             ))
 
@@ -163,7 +165,7 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
     configs = pipeline_configs(str(args.model), ranges, host=args.host, ports=ports, extra=extra)
     if getattr(args, "http_port", None) is not None:
         configs[0]["http_port"] = args.http_port
-    pipeline = LocalPipeline(configs, workdir)
+    pipeline = LocalPipeline(configs, workdir, log_level=getattr(args, "stage_log_level", None))
     try:
         pipeline.wait_serving(args.start_timeout)
     except BaseException:
@@ -273,6 +275,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.model = str(smollm2_path())
     args.layers = None
     args.stages = 3
+    args.stage_log_level = "warning"  # the answer, not the stages' request logs, on the terminal
     with tempfile.TemporaryDirectory(prefix="skippy-demo-") as tmp:
         started = time.perf_counter()
         pipeline = _start_pipeline(args, Path(tmp))
