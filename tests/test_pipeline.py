@@ -75,6 +75,32 @@ def assert_no_active_sessions(configs, within_s: float = 5.0) -> None:
     assert active == [0] * len(configs)
 
 
+class StreamingRun:
+    """A Generate streaming in a thread; ``started`` is set after ``after_pieces`` pieces."""
+
+    def __init__(self, endpoint: str, prompt: str, max_tokens: int, after_pieces: int = 8) -> None:
+        self.pieces: list[str] = []
+        self.started = threading.Event()
+        self.outcome: dict[str, object] = {}
+
+        def run() -> None:
+            with grpc.insecure_channel(endpoint) as channel:
+                try:
+                    for msg in pb_grpc.StageServiceStub(channel).Generate(
+                            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=120):
+                        self.pieces.append(msg.text)
+                        if len(self.pieces) >= after_pieces:
+                            self.started.set()
+                        if msg.done:
+                            self.outcome["done"] = msg
+                except grpc.RpcError as err:
+                    self.outcome["error"] = err
+                self.started.set()
+
+        self.worker = threading.Thread(target=run)
+        self.worker.start()
+
+
 @pytest.fixture(scope="module")
 def smollm2_texts(smollm2):
     return reference_texts(smollm2, PROMPTS, MAX_TOKENS)
@@ -172,36 +198,17 @@ def test_a_stage_killed_and_restarted_mid_generation_is_recovered_with_identical
     try:
         prompt = "Here is a short poem about the sea:\n"
         undisturbed, _ = grpc_generate(pipeline.head_endpoint, prompt, 64)
-        pieces: list[str] = []
-        started = threading.Event()
-        outcome: dict[str, object] = {}
-
-        def run() -> None:
-            with grpc.insecure_channel(pipeline.head_endpoint) as channel:
-                try:
-                    for msg in pb_grpc.StageServiceStub(channel).Generate(
-                            pb.GenerateRequest(prompt=prompt, max_tokens=64), timeout=120):
-                        pieces.append(msg.text)
-                        if len(pieces) >= 8:
-                            started.set()
-                        if msg.done:
-                            outcome["done"] = msg
-                except grpc.RpcError as err:
-                    outcome["error"] = err
-                started.set()
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        assert started.wait(60)
+        run = StreamingRun(pipeline.head_endpoint, prompt, 64)
+        assert run.started.wait(60)
         os.kill(pipeline.procs[1].pid, signal.SIGKILL)
         pipeline.procs[1].wait()
         killed_at = time.monotonic()
         pipeline.restart(1)
-        worker.join(120)
-        assert "error" not in outcome, outcome.get("error")
+        run.worker.join(120)
+        assert "error" not in run.outcome, run.outcome.get("error")
         print(f"recovered {time.monotonic() - killed_at:.1f}s after the kill (restart included)")
-        assert "".join(pieces) == undisturbed
-        assert outcome["done"].completion_tokens == 64
+        assert "".join(run.pieces) == undisturbed
+        assert run.outcome["done"].completion_tokens == 64
         assert_no_active_sessions(pipeline.configs)
     finally:
         pipeline.stop()
@@ -223,31 +230,12 @@ def test_a_killed_stage_is_replaced_by_a_configured_alternate_and_the_text_is_un
         pipeline.wait_serving(120)
         prompt = "Here is a short poem about the sea:\n"
         undisturbed, _ = grpc_generate(pipeline.head_endpoint, prompt, 64)
-        pieces: list[str] = []
-        started = threading.Event()
-        outcome: dict[str, object] = {}
-
-        def run() -> None:
-            with grpc.insecure_channel(pipeline.head_endpoint) as channel:
-                try:
-                    for msg in pb_grpc.StageServiceStub(channel).Generate(
-                            pb.GenerateRequest(prompt=prompt, max_tokens=64), timeout=120):
-                        pieces.append(msg.text)
-                        if len(pieces) >= 8:
-                            started.set()
-                        if msg.done:
-                            outcome["done"] = msg
-                except grpc.RpcError as err:
-                    outcome["error"] = err
-                started.set()
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        assert started.wait(60)
+        run = StreamingRun(pipeline.head_endpoint, prompt, 64)
+        assert run.started.wait(60)
         os.kill(pipeline.procs[2].pid, signal.SIGKILL)
-        worker.join(120)
-        assert "error" not in outcome, outcome.get("error")
-        assert "".join(pieces) == undisturbed
+        run.worker.join(120)
+        assert "error" not in run.outcome, run.outcome.get("error")
+        assert "".join(run.pieces) == undisturbed
         assert status(str(configs[1]["bind_addr"])).downstream_stage_id == "stage-2b"
         assert_no_active_sessions([configs[0], configs[1], alternate])
     finally:
