@@ -68,9 +68,10 @@ def status_for(exc: SkippyError) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, str(exc)
 
 
-# gRPC carries the status message in metadata, capped at 16 KiB: a message repeating a huge
-# client value would turn into RESOURCE_EXHAUSTED on the way and hide the real code.
-MAX_STATUS_MESSAGE = 2048
+# gRPC carries the status message percent-encoded in metadata (up to 12 bytes per character)
+# and starts dropping metadata past 8 KiB: a message repeating a huge client value would turn
+# into RESOURCE_EXHAUSTED on the way and hide the real code. 512 characters stay under 6 KiB.
+MAX_STATUS_MESSAGE = 512
 
 
 def _abort(context: grpc.ServicerContext, exc: SkippyError) -> None:
