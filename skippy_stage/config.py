@@ -105,6 +105,10 @@ class StageConfig:
     # Replacement stages serving the same layer range as the downstream, tried in order
     # while the downstream does not answer (the head then re-prefills its sessions).
     downstream_alternates: tuple[PeerConfig, ...] = ()
+    # Final stage only: the head (stage_index 0), to which this stage sends each batch's
+    # sampled tokens straight back as well as relaying them up through every stage; the
+    # head takes whichever arrives first. Unset: relay only.
+    return_to: PeerConfig | None = None
     cache_dir: str | None = None
     wire_dtype: str = "f32"
     # How frames travel to the downstream: one long-lived bidirectional stream, or one
@@ -185,7 +189,7 @@ class StageConfig:
         if missing:
             raise ConfigError(f"stage {stage_id}: missing required config key(s) {', '.join(missing)}")
         values = dict(data)
-        for side in ("upstream", "downstream"):
+        for side in ("upstream", "downstream", "return_to"):
             if values.get(side) is not None:
                 values[side] = _peer(values[side], stage_id=stage_id, side=side)
         alternates = values.get("downstream_alternates", ())
@@ -359,5 +363,14 @@ def _validate(cfg: StageConfig) -> None:
             raise _fail(cfg, f"downstream_alternates[{i}].stage_index", getattr(alt, "stage_index", alt),
                         f"must be {cfg.stage_index + 1}")
         parse_endpoint(alt.endpoint, stage_id=cfg.stage_id, field_name=f"downstream_alternates[{i}].endpoint")
+    if cfg.return_to is not None:
+        if not isinstance(cfg.return_to, PeerConfig):
+            raise _fail(cfg, "return_to", cfg.return_to, "must be an object with stage_id, stage_index, endpoint")
+        if cfg.downstream is not None or cfg.layer_start == 0:
+            raise _fail(cfg, "return_to", cfg.return_to.stage_id,
+                        "is only for the final stage of a split (no downstream, layer_start > 0)")
+        if cfg.return_to.stage_index != 0:
+            raise _fail(cfg, "return_to.stage_index", cfg.return_to.stage_index, "must be 0 (the head)")
+        parse_endpoint(cfg.return_to.endpoint, stage_id=cfg.stage_id, field_name="return_to.endpoint")
     if cfg.layer_start == 0 and cfg.upstream is not None:
         raise _fail(cfg, "upstream", cfg.upstream.stage_id, "must be unset for the head stage (layer_start=0)")

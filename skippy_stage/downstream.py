@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -124,6 +125,27 @@ class _HopStream:
         self._call.cancel()
 
 
+class HopFuture(Future):
+    """A frame's answer: an IterationBatchResponse, or a DownstreamError. The first settle wins
+    (the head settles it from either the relayed answer or the final stage's direct return)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancel_hop: Callable[[], object] = lambda: None
+
+    def settle(self, *, result: pb.IterationBatchResponse | None = None,
+               error: BaseException | None = None) -> bool:
+        """Resolve the future unless something already did; True when this call resolved it."""
+        try:
+            if error is not None:
+                self.set_exception(error)
+            else:
+                self.set_result(result)
+        except InvalidStateError:
+            return False
+        return True
+
+
 class _StreamClosed(grpc.RpcError):
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
@@ -153,7 +175,7 @@ class DownstreamClient:
         self._stream: _HopStream | None = None
         self._hop_ids = itertools.count(1)
 
-    def _timeout(self, remaining: float | None) -> float:
+    def timeout_for(self, remaining: float | None) -> float:
         return self.hop_timeout_s if remaining is None else max(0.001, min(remaining, self.hop_timeout_s))
 
     def _translate(self, err: grpc.RpcError) -> DownstreamError:
@@ -175,12 +197,45 @@ class DownstreamClient:
         )
 
     def forward(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
-        if self.transport == "stream":
-            return self._forward_stream(request, remaining)
+        """Send one frame and wait for its answer (relayed from the final stage)."""
+        timeout = self.timeout_for(remaining)
+        future = self.submit(request, remaining)
         try:
-            return self._stub.ActivationFrame(request, timeout=self._timeout(remaining), metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise self._translate(err) from None
+            return future.result(timeout=timeout + 0.05)
+        except FutureTimeout:
+            future.cancel_hop()
+            raise DownstreamError(f"stage {self.peer.stage_id} at {self.peer.endpoint} did not answer within "
+                                  f"{timeout:.3f}s", stage_id=self.peer.stage_id, code_name="DEADLINE_EXCEEDED") from None
+
+    def submit(self, request: pb.IterationBatchRequest, remaining: float | None) -> HopFuture:
+        """Send one frame; the future resolves to the answer or fails with a DownstreamError."""
+        timeout = self.timeout_for(remaining)
+        out = HopFuture()
+        if self.transport == "stream":
+            stream = self._open_stream()
+            hop_id = next(self._hop_ids)
+            inner = stream.send(pb.HopRequest(hop_id=hop_id, request=request, timeout_s=timeout))
+            out.cancel_hop = lambda: stream.forget(hop_id)
+
+            def done(f: Future) -> None:
+                try:
+                    out.settle(result=self._from_reply(f.result()))
+                except grpc.RpcError as err:
+                    out.settle(error=self._translate(err))
+                except DownstreamError as exc:
+                    out.settle(error=exc)
+            inner.add_done_callback(done)
+            return out
+        call = self._stub.ActivationFrame.future(request, timeout=timeout, metadata=self._metadata)
+        out.cancel_hop = call.cancel
+
+        def unary_done(c: grpc.Future) -> None:
+            try:
+                out.settle(result=c.result())
+            except grpc.RpcError as err:
+                out.settle(error=self._translate(err))
+        call.add_done_callback(unary_done)
+        return out
 
     def _open_stream(self) -> _HopStream:
         with self._lock:
@@ -190,19 +245,7 @@ class DownstreamClient:
                 self._stream = _HopStream(self._stub, self._metadata)
             return self._stream
 
-    def _forward_stream(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
-        timeout = self._timeout(remaining)
-        stream = self._open_stream()
-        hop_id = next(self._hop_ids)
-        future = stream.send(pb.HopRequest(hop_id=hop_id, request=request, timeout_s=timeout))
-        try:
-            reply = future.result(timeout=timeout)
-        except FutureTimeout:
-            stream.forget(hop_id)
-            raise DownstreamError(f"stage {self.peer.stage_id} at {self.peer.endpoint} did not answer within "
-                                  f"{timeout:.3f}s", stage_id=self.peer.stage_id, code_name="DEADLINE_EXCEEDED") from None
-        except grpc.RpcError as err:
-            raise self._translate(err) from None
+    def _from_reply(self, reply: pb.HopReply) -> pb.IterationBatchResponse:
         if reply.code == 0:
             return reply.response
         code = _CODE_BY_VALUE.get(reply.code, grpc.StatusCode.UNKNOWN)
@@ -217,7 +260,7 @@ class DownstreamClient:
 
     def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
         try:
-            return self._stub.DropSession(pb.DropSessionRequest(session_id=session_id), timeout=self._timeout(remaining),
+            return self._stub.DropSession(pb.DropSessionRequest(session_id=session_id), timeout=self.timeout_for(remaining),
                                           metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._translate(err) from None

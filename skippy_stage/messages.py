@@ -153,6 +153,7 @@ def forward_request(
         request_id=req.request_id,
         entries=req.entries,
         frame=pb.ActivationFrame(descriptor=descriptor_to_pb(desc), payload=payload),
+        return_key=req.return_key,
     )
 
 

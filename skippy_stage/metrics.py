@@ -33,6 +33,9 @@ class StageMetrics:
                                         ["direction", "codec"], registry=r)
         self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",
                                         ["failed_stage"], registry=r)
+        self.returns = Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
+                               "(direct: the final stage's ReturnResults; relay: back up through the stages) or "
+                               "sent by the final stage (sent)", ["path"], registry=r).labels  # type: ignore[assignment]
         self._gauges = {
             name: Gauge(f"skippy_{name}", doc, registry=r)
             for name, doc in (

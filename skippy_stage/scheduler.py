@@ -263,6 +263,12 @@ class Scheduler:
                 continue
             n = min(remaining, self.limits.n_ubatch, budget)
             start = task.prefilled
+            if task.replay is not None:
+                # Re-feed tokens as they were first computed: llama.cpp's kernels differ between
+                # one-token and larger batches (up to 0.6 in a logit on an AVX2 EPYC), so KV
+                # rebuilt in one big batch could steer a greedy text elsewhere. The prompt goes in
+                # chunks as before, each generated token in a step of its own.
+                n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
             # After a recovery the next input token is already known: do not sample again.
             last = start + n == len(feed) and task.last_token is None
             entries.append(pb.BatchEntry(session_id=task.session_id, phase=pb.PHASE_PREFILL,
@@ -314,7 +320,10 @@ class Scheduler:
         try:
             response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
-            recoverable = isinstance(exc, DownstreamError) and exc.code_name == "UNAVAILABLE" \
+            # UNAVAILABLE: a stage below is gone. NOT_FOUND from below: a stage lost sessions the
+            # head still holds (it restarted between steps, or freed them after the chain broke
+            # behind a direct return). Either way re-prefilling through the chain recovers them.
+            recoverable = isinstance(exc, DownstreamError) and exc.code_name in ("UNAVAILABLE", "NOT_FOUND") \
                 and self.limits.recovery_wait_s > 0
             self.log.warning("step failed", request_id=request.request_id, error=str(exc), recovering=recoverable,
                              sessions=[t.session_id for t, _ in plan])

@@ -109,6 +109,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self._hop_pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hop")
         self._generator: Generator | None = None
         self._generator_lock = threading.Lock()
+        self._return_streams: set[grpc.ServicerContext] = set()
+        self._return_lock = threading.Lock()
 
     def _head(self) -> Generator:
         """The head's generator; new generations are refused unless the stage is SERVING."""
@@ -126,11 +128,16 @@ class StageServicer(pb_grpc.StageServiceServicer):
             return self._generator
 
     def close(self) -> None:
-        """Let admitted generations finish; refuse the ones still queued."""
+        """Let admitted generations finish; refuse the ones still queued; then end the final
+        stage's return stream, which would otherwise hold the server's drain for its grace."""
         with self._generator_lock:
             generator, self._generator = self._generator, None
         if generator is not None:
             generator.close()
+        with self._return_lock:
+            streams = list(self._return_streams)
+        for context in streams:
+            context.cancel()
 
     def _require_head(self, rpc: str) -> None:
         if not self.stage.config.include_embeddings:
@@ -186,6 +193,25 @@ class StageServicer(pb_grpc.StageServiceServicer):
             if reply is done:
                 return
             yield reply
+
+    def ReturnResults(self, request_iterator, context):  # noqa: N802
+        """The final stage's direct returns: each settles the head's step waiting on its key."""
+        if not self.stage.config.include_embeddings:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"ReturnResults is served by the head stage only; {self.stage.config.stage_id} has "
+                          f"layer_start={self.stage.config.layer_start}")
+        accepted = 0
+        with self._return_lock:
+            self._return_streams.add(context)
+        try:
+            for batch in request_iterator:
+                accepted += self.stage.deliver_return(batch)
+        except grpc.RpcError:
+            pass  # the final stage went away, or the head is draining; its next return opens a new stream
+        finally:
+            with self._return_lock:
+                self._return_streams.discard(context)
+        return pb.ReturnAck(accepted=accepted)
 
     @_unary
     def Decode(self, request, context):  # noqa: N802

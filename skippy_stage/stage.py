@@ -12,15 +12,17 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import structlog
 
 from skippy_stage.config import PeerConfig, StageConfig
-from skippy_stage.downstream import DownstreamClient, HealthProbe
+from skippy_stage.downstream import DownstreamClient, HealthProbe, HopFuture
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SkippyError, UnknownSessionError
 from skippy_stage.messages import PB_TO_DTYPE, StageShape, entries_from_request, forward_request, response_from_results
 from skippy_stage.metrics import StageMetrics
+from skippy_stage.returns import ReturnBox, ReturnClient
 from skippy_stage.runtime import StageRuntime
 from skippy_stage.security import Credentials
 from skippy_stage.slicing import read_model_info
@@ -76,6 +78,10 @@ class Stage:
         self.metrics = StageMetrics(config.stage_id)
         self._pending_drops: set[str] = set()
         self._pending_lock = threading.Lock()
+        self.returns = ReturnBox()
+        self.return_client = None if config.return_to is None else ReturnClient(
+            config.return_to, stage_id=config.stage_id, max_message_bytes=max_message_bytes,
+            credentials=Credentials.from_config(config))
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -142,6 +148,8 @@ class Stage:
         self.transition(StageState.STOPPED)
         if self.downstream is not None:
             self.downstream.close()
+        if self.return_client is not None:
+            self.return_client.close()
         if self.runtime is not None:
             self.runtime.close()
 
@@ -150,6 +158,8 @@ class Stage:
     def process(self, request: pb.IterationBatchRequest, remaining_s: float | None) -> pb.IterationBatchResponse:
         """Run the local layers, then forward and relay (or answer, at the final stage)."""
         runtime = self.require_runtime()
+        if len(request.return_key) > 64:
+            raise InvalidRequestError(f"return_key must be at most 64 characters, got {len(request.return_key)}")
         entries = entries_from_request(request, self.shape)
         self._check_reply_fits(request, runtime.n_vocab)
         m = self.metrics
@@ -162,7 +172,11 @@ class Stage:
         m.batch_entries.observe(len(entries))
         m.batch_tokens.observe(sum(len(e.positions) for e in request.entries))
         if self.downstream is None:
-            return response_from_results(results, self.config.stage_id)
+            response = response_from_results(results, self.config.stage_id)
+            if self.return_client is not None and request.return_key:
+                self.return_client.send(request.return_key, response)
+                m.returns(path="sent").inc()
+            return response
         try:
             forward = forward_request(request, results, self.shape)
         except SkippyError:
@@ -171,7 +185,7 @@ class Stage:
         m.activation_bytes.labels("sent", self.shape.wire_dtype).inc(len(forward.frame.payload))
         started = time.perf_counter()
         try:
-            response = self.downstream.forward(forward, remaining_s)
+            response = self._forward(forward, remaining_s)
             m.hop_seconds.observe(time.perf_counter() - started)
             return response
         except DownstreamError as exc:
@@ -185,6 +199,50 @@ class Stage:
             self.log.warning("forward failed; sessions freed", failed_stage=exc.stage_id, error=str(exc),
                              sessions=sessions, request_id=request.request_id)
             raise
+
+    def _forward(self, forward: pb.IterationBatchRequest, remaining_s: float | None) -> pb.IterationBatchResponse:
+        """Send the frame down and wait for its outputs.
+
+        Below the head, that is the relayed answer. The head also accepts the final stage's
+        direct return (``returns``): the step is settled by whichever copy comes first, and
+        a relayed error settles it only if the outputs have not already arrived.
+        """
+        if not self.config.include_embeddings:
+            return self.downstream.forward(forward, remaining_s)
+        timeout = self.downstream.timeout_for(remaining_s)
+        outcome = HopFuture()
+        forward.return_key = key = self.returns.expect(outcome)
+        try:
+            relay = self.downstream.submit(forward, remaining_s)
+
+            def relayed(f: HopFuture) -> None:
+                error = f.exception()
+                if outcome.settle(result=None if error else f.result(), error=error):
+                    self.metrics.returns(path="relay").inc()
+                elif error is not None:
+                    # The direct copy settled the step; the chain broke after the final stage
+                    # answered. The stages that saw it freed the sessions: the next step finds
+                    # them gone (NOT_FOUND) and the head re-prefills them.
+                    self.log.warning("relayed answer failed after the direct return", error=str(error),
+                                     request_id=forward.request_id)
+            relay.add_done_callback(relayed)
+            try:
+                response = outcome.result(timeout=timeout + 0.05)
+            except FutureTimeout:
+                relay.cancel_hop()
+                raise DownstreamError(f"stage {self.downstream.peer.stage_id} at {self.downstream.peer.endpoint} "
+                                      f"did not answer within {timeout:.3f}s", stage_id=self.downstream.peer.stage_id,
+                                      code_name="DEADLINE_EXCEEDED") from None
+        finally:
+            self.returns.forget(key)
+        return response
+
+    def deliver_return(self, batch: pb.ReturnedBatch) -> bool:
+        """A final stage's direct return; False when no step waits for it (late or unknown)."""
+        settled = self.returns.deliver(batch.return_key, batch.response)
+        if settled:
+            self.metrics.returns(path="direct").inc()
+        return settled
 
     def _drop_below(self, session_ids: list[str]) -> None:
         """Best effort, in the background: the stages below may hold the failed batch too.

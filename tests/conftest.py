@@ -45,13 +45,15 @@ def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
 
     started: list[LocalPipeline] = []
 
-    def start(model: Path, ranges: list[tuple[int, int]], log_dir: Path | None = None, **extra: object) -> LocalPipeline:
+    def start(model: Path, ranges: list[tuple[int, int]], log_dir: Path | None = None, return_path: str = "direct",
+              **extra: object) -> LocalPipeline:
         ports = _free_ports("127.0.0.1", len(ranges))
         # Stages on one host share its cores (as `skippy-stage up` does): cores / stages threads each.
         threads = max(1, (os.cpu_count() or 1) // len(ranges))
         extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, "n_threads": threads, **extra}
         shared = {k: v for k, v in extra.items() if not isinstance(v, list)}
-        configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra=shared)
+        configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra=shared,
+                                   return_path=return_path)
         for key, values in extra.items():
             if isinstance(values, list):
                 for cfg, value in zip(configs, values):

@@ -431,3 +431,44 @@ def test_peer_stage_index_must_be_an_integer() -> None:
 def test_timeouts_must_be_positive_numbers_of_seconds(field, value):
     with pytest.raises(ConfigError, match=field):
         StageConfig.from_dict({**MINIMAL, field: value})
+
+
+# -- return_to (the final stage's direct return to the head) ------------------------
+
+HEAD = {"stage_id": "stage-0", "stage_index": 0, "endpoint": "127.0.0.1:5000"}
+
+
+def final(**changes: Any) -> StageConfig:
+    """A valid final stage: stage-2 of three, layers 20:30."""
+    values: dict[str, Any] = {
+        "stage_id": "stage-2", "stage_index": 2, "layer_start": 20, "layer_end": 30,
+        "upstream": {"stage_id": "stage-1", "stage_index": 1, "endpoint": "127.0.0.1:5001"},
+    }
+    return config(**{**values, **changes})
+
+
+def test_the_final_stage_may_return_tokens_straight_to_the_head() -> None:
+    cfg = final(return_to=HEAD)
+    assert cfg.return_to == PeerConfig(**HEAD)
+    assert cfg.include_output
+
+
+@pytest.mark.parametrize("stage", ["head", "middle"])
+def test_return_to_is_refused_on_a_stage_that_is_not_final(stage: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        middle(return_to=HEAD) if stage == "middle" else config(return_to=HEAD)
+    assert "return_to='stage-0'" in str(info.value) and "only for the final stage" in str(info.value)
+
+
+def test_return_to_must_name_stage_index_0() -> None:
+    with pytest.raises(ConfigError) as info:
+        final(return_to={**HEAD, "stage_index": 1})
+    assert "return_to.stage_index=1" in str(info.value) and "must be 0" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["nowhere", {"stage_id": "stage-0", "stage_index": 0}, "127.0.0.1:5000"])
+def test_return_to_must_be_a_peer_with_a_host_port_endpoint(bad: object) -> None:
+    raw = bad if not isinstance(bad, str) or ":" not in bad else {**HEAD, "endpoint": "no-port"}
+    with pytest.raises(ConfigError) as info:
+        final(return_to=raw)
+    assert "return_to" in str(info.value)

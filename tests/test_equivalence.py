@@ -87,16 +87,27 @@ def test_two_sessions_interleaved_in_one_batch_match_the_unsplit_model(smollm2_c
 
 
 def test_unified_kv_cache_split_matches_the_unsplit_model(smollm2, slice_cache, smollm2_reference):
-    """kv_unified changes how llama.cpp cuts a batch into micro-batches; both must be exact."""
-    chain = Chain(split_configs(smollm2, SMOLLM2_SPLITS["0:10/10:20/20:30"], slice_cache, kv_unified=True, n_ubatch=4))
-    try:
-        prompts = {"a": smollm2_reference[PROMPTS[0]][0], "b": smollm2_reference[PROMPTS[2]][0]}
-        logits, generated = chain.greedy(prompts, N_TOKENS)
-        for sid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[2])):
-            assert generated[sid] == smollm2_reference[prompt][2]
-            assert float(np.abs(logits[sid] - smollm2_reference[prompt][1]).max()) <= LOGIT_TOLERANCE
-    finally:
-        chain.close()
+    """kv_unified changes how llama.cpp cuts a batch into micro-batches; the split must be exact.
+
+    Two sessions batched together in one unified KV cache are compared with the unsplit
+    model batched the same way: the batch's composition itself moves llama.cpp's logits on
+    some CPUs (0.41 at most on an AVX2-only AMD EPYC, 0.0 on another machine), with or
+    without a split. The greedy tokens must still be llama-cpp-python's.
+    """
+    prompts = {"a": smollm2_reference[PROMPTS[0]][0], "b": smollm2_reference[PROMPTS[2]][0]}
+    runs = {}
+    for name, ranges in (("unsplit", [(0, 30)]), ("split", SMOLLM2_SPLITS["0:10/10:20/20:30"])):
+        chain = Chain(split_configs(smollm2, ranges, slice_cache, kv_unified=True, n_ubatch=4))
+        try:
+            runs[name] = chain.greedy(prompts, N_TOKENS)
+        finally:
+            chain.close()
+    (split_logits, split_tokens), (whole_logits, whole_tokens) = runs["split"], runs["unsplit"]
+    for sid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[2])):
+        diff = float(np.abs(split_logits[sid] - whole_logits[sid]).max())
+        print(f"unified KV, session {sid}: max |logit diff| vs the unsplit model in the same batch = {diff}")
+        assert diff <= LOGIT_TOLERANCE
+        assert split_tokens[sid] == whole_tokens[sid] == smollm2_reference[prompt][2]
 
 
 def test_small_micro_batches_with_separate_lanes_match_the_unsplit_model_run_alike(smollm2, slice_cache, smollm2_reference):

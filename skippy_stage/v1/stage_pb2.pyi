@@ -116,14 +116,30 @@ class ActivationFrame(_message.Message):
     def __init__(self, descriptor: _Optional[_Union[FrameDescriptor, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class IterationBatchRequest(_message.Message):
-    __slots__ = ("request_id", "entries", "frame")
+    __slots__ = ("request_id", "entries", "frame", "return_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    RETURN_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     entries: _containers.RepeatedCompositeFieldContainer[BatchEntry]
     frame: ActivationFrame
-    def __init__(self, request_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., frame: _Optional[_Union[ActivationFrame, _Mapping]] = ...) -> None: ...
+    return_key: str
+    def __init__(self, request_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., frame: _Optional[_Union[ActivationFrame, _Mapping]] = ..., return_key: _Optional[str] = ...) -> None: ...
+
+class ReturnedBatch(_message.Message):
+    __slots__ = ("return_key", "response")
+    RETURN_KEY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    return_key: str
+    response: IterationBatchResponse
+    def __init__(self, return_key: _Optional[str] = ..., response: _Optional[_Union[IterationBatchResponse, _Mapping]] = ...) -> None: ...
+
+class ReturnAck(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
 class HopRequest(_message.Message):
     __slots__ = ("hop_id", "request", "timeout_s")

@@ -69,6 +69,11 @@ class StageServiceStub:
                 request_serializer=skippy__stage_dot_v1_dot_stage__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ReturnResults = channel.stream_unary(
+                '/skippy.stage.v1.StageService/ReturnResults',
+                request_serializer=skippy__stage_dot_v1_dot_stage__pb2.ReturnedBatch.SerializeToString,
+                response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.ReturnAck.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -127,6 +132,15 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReturnResults(self, request_iterator, context):
+        """Head only: the final stage's outputs, sent straight back (return_to in the final
+        stage's config) instead of only back up through every stage. One long-lived stream
+        from the final stage; each batch names the step's return_key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +178,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.GenerateRequest.FromString,
                     response_serializer=skippy__stage_dot_v1_dot_stage__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ReturnResults': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReturnResults,
+                    request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.ReturnedBatch.FromString,
+                    response_serializer=skippy__stage_dot_v1_dot_stage__pb2.ReturnAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +374,33 @@ class StageService:
             '/skippy.stage.v1.StageService/Generate',
             skippy__stage_dot_v1_dot_stage__pb2.GenerateRequest.SerializeToString,
             skippy__stage_dot_v1_dot_stage__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReturnResults(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/skippy.stage.v1.StageService/ReturnResults',
+            skippy__stage_dot_v1_dot_stage__pb2.ReturnedBatch.SerializeToString,
+            skippy__stage_dot_v1_dot_stage__pb2.ReturnAck.FromString,
             options,
             channel_credentials,
             insecure,
