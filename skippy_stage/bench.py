@@ -124,6 +124,92 @@ class _Pipeline:
         self.local.stop()
 
 
+class _EchoServicer:
+    """Answers every frame at once: what one hop costs with no stage work at all."""
+
+    def ActivationStream(self, request_iterator, context):  # noqa: ANN001, ANN201, N802
+        from skippy_stage.v1 import stage_pb2 as pb
+
+        for hop in request_iterator:
+            yield pb.HopReply(hop_id=hop.hop_id)
+
+
+def _echo_server(port: int, socket_port: int, ready) -> None:  # noqa: ANN001
+    import socket
+    from concurrent import futures
+
+    import grpc
+
+    from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = type("Echo", (_EchoServicer, pb_grpc.StageServiceServicer), {})()
+    pb_grpc.add_StageServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    listener = socket.create_server(("127.0.0.1", socket_port))
+    ready.set()
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while data := conn.recv(65536):
+        if len(data) and data.endswith(b"\n"):
+            conn.sendall(b"k")
+    server.stop(0)
+
+
+def hop_floor_us(rounds: int = 2000) -> dict[str, float]:
+    """Round trips of one f32 SmolLM2 frame (2304 bytes) to another process on loopback:
+    over the ActivationStream path this project uses (grpcio), and over a bare TCP socket.
+    Nothing runs a model: this is what a hop costs before any stage does anything."""
+    import multiprocessing
+    import socket
+
+    import grpc
+
+    from skippy_stage.downstream import _HopStream
+    from skippy_stage.v1 import stage_pb2 as pb
+    from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+    port, socket_port = _free_ports("127.0.0.1", 2)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_echo_server, args=(port, socket_port, ready), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the echo server did not start")
+        payload = b"\0" * wire.payload_size("f32", 1, 576)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = _HopStream(pb_grpc.StageServiceStub(channel), ())
+            request = pb.IterationBatchRequest(frame=pb.ActivationFrame(payload=payload))
+            for i in range(rounds // 10):
+                stream.send(pb.HopRequest(hop_id=i, request=request)).result(10)
+            started = time.perf_counter()
+            for i in range(rounds):
+                stream.send(pb.HopRequest(hop_id=rounds + i, request=request)).result(10)
+            grpc_us = (time.perf_counter() - started) / rounds * 1e6
+            stream.close()
+        sock = socket.create_connection(("127.0.0.1", socket_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        frame = payload[:-1] + b"\n"
+
+        def round_trip() -> None:
+            sock.sendall(frame)
+            sock.recv(1)
+        for _ in range(rounds // 10):
+            round_trip()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            round_trip()
+        socket_us = (time.perf_counter() - started) / rounds * 1e6
+        sock.close()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return {"grpc_stream_round_trip_us": grpc_us, "tcp_socket_round_trip_us": socket_us}
+
+
 def _cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -234,6 +320,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
             unary_ms, _, unary_hops = _decode_ms(pipeline)
         finally:
             pipeline.stop()
+        report["return_path_comparison_3_stage"] = _compare_return_paths(model, Path(tmp), cache_dir)
+        report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
         report["transport_comparison_3_stage"] = {
             "stream": {"ms_per_token": pipelines_ms["3"], "per_hop_overhead_us": sum(hops["3"]) / len(hops["3"])},
             "unary": {"ms_per_token": unary_ms, "per_hop_overhead_us": sum(unary_hops) / len(unary_hops)},
@@ -264,6 +352,27 @@ def run(json_path: str | None = None) -> dict[str, object]:
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _compare_return_paths(model: Path, workdir: Path, cache_dir: str) -> dict[str, float]:
+    """3-stage decode with the final stage's tokens relayed back through every stage, and
+    sent straight to the head as well: both pipelines up at once, runs interleaved, the
+    median of each, so a noisy moment of the machine hits both alike."""
+    ranges = [(0, 10), (10, 20), (20, 30)]
+    pipelines = {}
+    try:
+        for path in ("relay", "direct"):
+            sub = workdir / f"return-{path}"
+            sub.mkdir()
+            pipelines[path] = _Pipeline(model, ranges, sub, cache_dir, return_path=path)
+        runs: dict[str, list[float]] = {path: [] for path in pipelines}
+        for _ in range(1 if _QUICK else 5):
+            for path, pipeline in pipelines.items():
+                runs[path].append(_decode_ms(pipeline)[0])
+    finally:
+        for pipeline in pipelines.values():
+            pipeline.stop()
+    return {f"{path}_ms_per_token": float(np.median(values)) for path, values in runs.items()}
 
 
 def _prefill_prompt(model: Path, cache_dir: str) -> str:
@@ -305,6 +414,12 @@ def format_table(report: dict[str, object]) -> str:
     for transport, t in r["transport_comparison_3_stage"].items():
         lines.append(f"3 stages over {transport:6}: {t['ms_per_token']:.2f} ms/token, "
                      f"per-hop overhead {t['per_hop_overhead_us']:.0f} us")
+    rp = r["return_path_comparison_3_stage"]
+    lines.append(f"3 stages, tokens relayed back: {rp['relay_ms_per_token']:.2f} ms/token; "
+                 f"straight to the head: {rp['direct_ms_per_token']:.2f} ms/token (medians, interleaved runs)")
+    floor = r["hop_floor_us"]
+    lines.append(f"hop floor, 2304-byte frame to another process and back: grpcio stream "
+                 f"{floor['grpc_stream_round_trip_us']:.0f} us, bare TCP socket {floor['tcp_socket_round_trip_us']:.0f} us")
     for n, cpu in r["stage_cpu_ms_per_token"].items():
         lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))

@@ -518,6 +518,10 @@ def stage_configs(
         if i + 1 < len(stages):
             down = stages[i + 1].node
             cfg["downstream"] = {"stage_id": down, "stage_index": i + 1, "endpoint": f"{down}:{port}"}
+        elif i > 0:
+            # Sampled tokens straight back to the head (the relay stays the backstop).
+            head = stages[0].node
+            cfg["return_to"] = {"stage_id": head, "stage_index": 0, "endpoint": f"{head}:{port}"}
         configs.append(cfg)
     return configs
 

@@ -27,3 +27,9 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
         assert key in report
     assert all(v > 0 for v in report["pipeline_ms_per_token"].values())
     assert "decode ms/token, 3 stages" in run.stdout
+    # Both ways back to the head, measured side by side; and the hop's floor with no stage work.
+    assert set(report["return_path_comparison_3_stage"]) == {"relay_ms_per_token", "direct_ms_per_token"}
+    assert all(v > 0 for v in report["return_path_comparison_3_stage"].values())
+    assert set(report["hop_floor_us"]) == {"grpc_stream_round_trip_us", "tcp_socket_round_trip_us"}
+    assert all(v > 0 for v in report["hop_floor_us"].values())
+    assert "straight to the head" in run.stdout and "hop floor" in run.stdout
