@@ -59,6 +59,7 @@ class Chain:
             BatchEntry(s.session_id, np.arange(s.start, s.start + len(s.tokens)), token_ids=list(s.tokens))
             for s in steps
         ]
+        results: list[EntryResult] = []
         for index, stage in enumerate(self.stages):
             final = index == len(self.stages) - 1
             if index > 0:

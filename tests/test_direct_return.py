@@ -15,11 +15,11 @@ import urllib.request
 
 import grpc
 import pytest
+from test_pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, status
 
 from skippy_stage.cli import _free_ports
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
-from test_pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, status
 
 PROMPT = "The capital of France is"
 THREE = [(0, 10), (10, 20), (20, 30)]

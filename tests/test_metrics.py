@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from skippy_stage.cli import _free_ports
 from test_pipeline import grpc_generate
+
+from skippy_stage.cli import _free_ports
 
 
 def scrape(port: int) -> str:
