@@ -2,9 +2,10 @@
 
 Everything runs here, now, on the packaged SmolLM2: the single-process llama-cpp-python
 baseline and real pipelines of ``serve`` processes on loopback, with the same thread
-budget on both sides (all cores for the single process; cores / stages per stage). The
-numbers are reported, never asserted: machines are noisy, so only same-run ratios mean
-anything.
+budget on both sides (all cores for the single process and for each stage: only the stage
+holding the token computes). Single-stream decode runs in interleaved rounds, medians
+reported. The numbers are reported, never asserted: machines are noisy, so only same-run
+ratios mean anything.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from skippy_stage.runtime import BatchEntry, StageRuntime
 _QUICK = os.environ.get("SKIPPY_BENCH_QUICK") == "1"
 DECODE_TOKENS = 16 if _QUICK else 128
 AGG_TOKENS = 8 if _QUICK else 64
+DECODE_ROUNDS = 1 if _QUICK else 3
 PREFILL_TOKENS = 64 if _QUICK else 512
 CONCURRENCY = (1, 4, 8)
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
@@ -46,24 +48,35 @@ def _long_prompt(runtime: StageRuntime, n_tokens: int) -> tuple[str, list[int]]:
     return text, tokens
 
 
+class SingleDecoder:
+    """The unsplit model in this process (llama-cpp-python's Llama), kept loaded so its
+    decode runs can be interleaved with the pipelines' runs."""
+
+    def __init__(self, model: Path, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(model), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+        self.tokens = self.llm.tokenize(PROMPT.encode())
+
+    def ms_per_token(self) -> float:
+        started = time.perf_counter()
+        n = 0
+        for _ in self.llm.generate(self.tokens, temp=0.0, reset=True):
+            n += 1
+            if n == 1:
+                started = time.perf_counter()  # from the first sampled token: decode only
+            if n == DECODE_TOKENS + 1:
+                break
+        return (time.perf_counter() - started) / DECODE_TOKENS * 1e3
+
+    def close(self) -> None:
+        self.llm.close()
+
+
 def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, object]:
-    """The unsplit model in this process: llama-cpp-python's Llama and batched low-level decode."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(model), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
-    tokens = llm.tokenize(PROMPT.encode())
-    llm.eval(tokens)
-    started = time.perf_counter()
-    n = 0
-    for _ in llm.generate(tokens, temp=0.0, reset=True):
-        n += 1
-        if n == 1:
-            started = time.perf_counter()  # from the first sampled token: decode only
-        if n == DECODE_TOKENS + 1:
-            break
-    ms_per_token = (time.perf_counter() - started) / DECODE_TOKENS * 1e3
-    llm.close()
-
+    """The unsplit model in this process, batched through the low-level API: prefill and
+    aggregate decode of several sequences."""
     cfg = StageConfig(model_path=str(model), stage_id="single", stage_index=0, layer_start=0, layer_end=30,
                       n_threads=threads, lane_count=8, ctx_size=8192, n_batch=512, n_ubatch=512, cache_dir=cache_dir)
     runtime = StageRuntime(cfg)
@@ -90,7 +103,7 @@ def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, objec
         for s in sessions:
             runtime.drop_session(s)
     runtime.close()
-    return {"ms_per_token": ms_per_token, "prefill_tps": prefill_tps, "aggregate": aggregate}
+    return {"prefill_tps": prefill_tps, "aggregate": aggregate}
 
 
 def stage_threads(n_stages: int) -> int:
@@ -295,25 +308,30 @@ def run(json_path: str | None = None) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="skippy-bench-") as tmp:
         cache_dir = str(Path(tmp) / "slices")
         single = single_process(model, cores, cache_dir)
-        report["single_process_ms_per_token"] = single["ms_per_token"]
-        pipelines_ms: dict[str, float] = {}
-        stage_cpu: dict[str, list[float]] = {}
-        hops: dict[str, list[float]] = {}
         prefill: dict[str, float] = {"single_process": single["prefill_tps"]}
         aggregate: dict[str, dict[str, float]] = {"single_process": single["aggregate"], "pipeline": {}}
-        for n, ranges in (("2", [(0, 15), (15, 30)]), ("3", [(0, 10), (10, 20), (20, 30)])):
-            pipeline = _Pipeline(model, ranges, Path(tmp), cache_dir)
-            try:
-                pipelines_ms[n], stage_cpu[n], hops[n] = _decode_ms(pipeline)
-                if n == "3":
-                    for c in CONCURRENCY:
-                        aggregate["pipeline"][str(c)] = _aggregate(pipeline, c)
-                    runtime_text = _prefill_prompt(model, cache_dir)
-                    pipeline.generate(runtime_text, 1)  # warm
-                    figures = pipeline.generate(runtime_text, 1)
-                    prefill["pipeline"] = PREFILL_TOKENS / figures["ttft_s"]
-            finally:
-                pipeline.stop()
+        decode = _interleaved_decode(model, Path(tmp), cache_dir, cores)
+        report["single_process_ms_per_token"] = decode["single"]["ms"]
+        pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
+        stage_cpu = {n: decode[n]["cpu"] for n in ("2", "3")}
+        # A stage's hop histogram is "send a frame, get its answer back from the next stage".
+        # With the direct return the head's answer skips stage 1, so the 3-stage hops are taken
+        # from the relayed runs; with 2 stages the next stage is the final one either way.
+        hops = {"2": decode["2"]["hops"], "3": decode["3-relay"]["hops"]}
+        report["return_path_comparison_3_stage"] = {"relay_ms_per_token": decode["3-relay"]["ms"],
+                                                    "direct_ms_per_token": decode["3"]["ms"]}
+        report["decode_rounds"] = {name: d["runs"] for name, d in decode.items()}
+        (Path(tmp) / "aggregate").mkdir()
+        pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp) / "aggregate", cache_dir)
+        try:
+            for c in CONCURRENCY:
+                aggregate["pipeline"][str(c)] = _aggregate(pipeline, c)
+            runtime_text = _prefill_prompt(model, cache_dir)
+            pipeline.generate(runtime_text, 1)  # warm
+            figures = pipeline.generate(runtime_text, 1)
+            prefill["pipeline"] = PREFILL_TOKENS / figures["ttft_s"]
+        finally:
+            pipeline.stop()
         # The same 3-stage decode (tokens relayed back) with one unary call per frame instead of the stream.
         pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp), cache_dir, transport="unary",
                              return_path="relay")
@@ -321,11 +339,6 @@ def run(json_path: str | None = None) -> dict[str, object]:
             unary_ms, _, unary_hops = _decode_ms(pipeline)
         finally:
             pipeline.stop()
-        report["return_path_comparison_3_stage"], relay_hops = _compare_return_paths(model, Path(tmp), cache_dir)
-        # A stage's hop histogram is "send a frame, get its answer back from the next stage".
-        # With the direct return the head's answer skips stage 1, so the 3-stage hops are taken
-        # from the relayed runs; with 2 stages the next stage is the final one either way.
-        hops["3"] = relay_hops
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
         report["transport_comparison_3_stage"] = {
             "stream": {"ms_per_token": report["return_path_comparison_3_stage"]["relay_ms_per_token"],
@@ -340,13 +353,13 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["per_hop_overhead_us"] = sum(all_hops) / len(all_hops)
         report["per_hop_overhead_us_by_hop"] = hops
         # The whole cost of splitting, per extra stage, as seen by a client.
-        report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - single["ms_per_token"]) / 2 * 1e3
+        report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 2 * 1e3
         report["aggregate_tokens_per_s"] = aggregate
         report["prefill_tokens_per_s"] = prefill
         report["wire_bytes_per_token"] = {d: wire.payload_size(d, 1, 576) for d in wire.DTYPES}
         report["ratios"] = {
-            "decode_2_stage": single["ms_per_token"] / pipelines_ms["2"],
-            "decode_3_stage": single["ms_per_token"] / pipelines_ms["3"],
+            "decode_2_stage": report["single_process_ms_per_token"] / pipelines_ms["2"],
+            "decode_3_stage": report["single_process_ms_per_token"] / pipelines_ms["3"],
             "aggregate_8_vs_single_batched_8": aggregate["pipeline"]["8"] / aggregate["single_process"]["8"],
             "aggregate_8_vs_pipeline_1": aggregate["pipeline"]["8"] / aggregate["pipeline"]["1"],
             "prefill_512": prefill["pipeline"] / prefill["single_process"],
@@ -360,30 +373,41 @@ def run(json_path: str | None = None) -> dict[str, object]:
     return report
 
 
-def _compare_return_paths(model: Path, workdir: Path, cache_dir: str) -> tuple[dict[str, float], list[float]]:
-    """3-stage decode with the final stage's tokens relayed back through every stage, and
-    sent straight to the head as well: both pipelines up at once, runs interleaved, the
-    median of each, so a noisy moment of the machine hits both alike."""
-    ranges = [(0, 10), (10, 20), (20, 30)]
-    pipelines = {}
+def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) -> dict[str, dict]:
+    """Single-stream decode of the unsplit model and of every pipeline, in rounds.
+
+    Everything is loaded at once (an idle stage costs ~1 % of a core) and each round runs
+    each contender once, so a slow moment of a noisy machine hits all of them alike; the
+    figures are the medians over the rounds. Contenders: the single process, 2 and 3
+    stages (tokens straight back to the head, the default), 3 stages relayed.
+    """
+    contenders = {"2": ([(0, 15), (15, 30)], "direct"), "3": ([(0, 10), (10, 20), (20, 30)], "direct"),
+                  "3-relay": ([(0, 10), (10, 20), (20, 30)], "relay")}
+    pipelines: dict[str, _Pipeline] = {}
+    single = SingleDecoder(model, cores)
+    runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
     try:
-        for path in ("relay", "direct"):
-            sub = workdir / f"return-{path}"
+        for name, (ranges, return_path) in contenders.items():
+            sub = workdir / f"decode-{name}"
             sub.mkdir()
-            pipelines[path] = _Pipeline(model, ranges, sub, cache_dir, return_path=path)
-        runs: dict[str, list[float]] = {path: [] for path in pipelines}
-        relay_hops: list[list[float]] = []
-        for _ in range(1 if _QUICK else 5):
-            for path, pipeline in pipelines.items():
-                ms, _, hops = _decode_ms(pipeline)
-                runs[path].append(ms)
-                if path == "relay":
-                    relay_hops.append(hops)
+            pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path)
+        single.ms_per_token()  # warm
+        for _ in range(DECODE_ROUNDS):
+            runs["single"].append((single.ms_per_token(), [], []))
+            for name, pipeline in pipelines.items():
+                runs[name].append(_decode_ms(pipeline))
     finally:
+        single.close()
         for pipeline in pipelines.values():
             pipeline.stop()
-    medians = {f"{path}_ms_per_token": float(np.median(values)) for path, values in runs.items()}
-    return medians, [float(h) for h in np.median(np.array(relay_hops), axis=0)]
+    out = {}
+    for name, values in runs.items():
+        ms = [v[0] for v in values]
+        median = sorted(values, key=lambda v: v[0])[len(values) // 2]
+        out[name] = {"ms": float(np.median(ms)), "runs": ms, "cpu": median[1],
+                     "hops": [float(h) for h in np.median(np.array([v[2] for v in values]), axis=0)]
+                     if name != "single" else []}
+    return out
 
 
 def _prefill_prompt(model: Path, cache_dir: str) -> str:
