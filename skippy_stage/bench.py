@@ -27,6 +27,8 @@ from skippy_stage.cli import LocalPipeline, _free_ports, _generate, pipeline_con
 from skippy_stage.config import StageConfig
 from skippy_stage.models import smollm2_path
 from skippy_stage.runtime import BatchEntry, StageRuntime
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 # SKIPPY_BENCH_QUICK=1 shrinks every run (the test suite uses it to check the report's shape).
 _QUICK = os.environ.get("SKIPPY_BENCH_QUICK") == "1"
@@ -115,7 +117,7 @@ def stage_threads(n_stages: int) -> int:
 
 class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
-                 transport: str = "stream", return_path: str = "relay") -> None:
+                 transport: str = "stream", return_path: str = "direct") -> None:
         threads = stage_threads(len(ranges))
         ports = _free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
@@ -137,12 +139,10 @@ class _Pipeline:
         self.local.stop()
 
 
-class _EchoServicer:
+class _Echo(pb_grpc.StageServiceServicer):
     """Answers every frame at once: what one hop costs with no stage work at all."""
 
     def ActivationStream(self, request_iterator, context):  # noqa: ANN001, ANN201, N802
-        from skippy_stage.v1 import stage_pb2 as pb
-
         for hop in request_iterator:
             yield pb.HopReply(hop_id=hop.hop_id)
 
@@ -153,10 +153,8 @@ def _echo_server(port: int, socket_port: int, ready) -> None:  # noqa: ANN001
 
     import grpc
 
-    from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
-
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    servicer = type("Echo", (_EchoServicer, pb_grpc.StageServiceServicer), {})()
+    servicer = _Echo()
     pb_grpc.add_StageServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -165,7 +163,7 @@ def _echo_server(port: int, socket_port: int, ready) -> None:  # noqa: ANN001
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while data := conn.recv(65536):
-        if len(data) and data.endswith(b"\n"):
+        if data.endswith(b"\n"):
             conn.sendall(b"k")
     server.stop(0)
 
@@ -180,8 +178,6 @@ def hop_floor_us(rounds: int = 2000) -> dict[str, float]:
     import grpc
 
     from skippy_stage.downstream import _HopStream
-    from skippy_stage.v1 import stage_pb2 as pb
-    from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
     port, socket_port = _free_ports("127.0.0.1", 2)
     ctx = multiprocessing.get_context("spawn")

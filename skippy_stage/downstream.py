@@ -198,12 +198,15 @@ class DownstreamClient:
 
     def forward(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
         """Send one frame and wait for its answer (relayed from the final stage)."""
-        timeout = self.timeout_for(remaining)
-        future = self.submit(request, remaining)
+        return self.wait(self.submit(request, remaining), self.timeout_for(remaining))
+
+    def wait(self, future: HopFuture, timeout: float, hop: HopFuture | None = None) -> pb.IterationBatchResponse:
+        """The answer of ``future`` within ``timeout`` (else DEADLINE_EXCEEDED, and the hop —
+        ``future`` itself unless given — is given up)."""
         try:
             return future.result(timeout=timeout + 0.05)
         except FutureTimeout:
-            future.cancel_hop()
+            (hop or future).cancel_hop()
             raise DownstreamError(f"stage {self.peer.stage_id} at {self.peer.endpoint} did not answer within "
                                   f"{timeout:.3f}s", stage_id=self.peer.stage_id, code_name="DEADLINE_EXCEEDED") from None
 

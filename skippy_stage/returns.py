@@ -51,18 +51,13 @@ class ReturnBox:
             future = self._waiting.pop(key, None)
         return future is not None and future.settle(result=response)
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._waiting)
-
 
 class ReturnClient:
     """The final stage's stream to the head. Sending never blocks and never raises: a
-    return that cannot be sent is logged and counted, and the relayed copy serves."""
+    broken stream is logged and reopened, and the relayed copy serves meanwhile."""
 
     def __init__(self, head: PeerConfig, *, stage_id: str, max_message_bytes: int,
                  credentials: Credentials | None = None) -> None:
-        self.head = head
         self.log = log.bind(stage_id=stage_id, head=head.stage_id, endpoint=head.endpoint)
         creds = credentials or Credentials()
         self._metadata = creds.call_metadata()
@@ -72,13 +67,11 @@ class ReturnClient:
         self._outbox: queue.SimpleQueue | None = None
         self._call: grpc.Future | None = None
         self._closed = False
-        self.failures = 0
 
     def _open(self) -> queue.SimpleQueue:
         with self._lock:
             if self._outbox is None or self._call is None or self._call.done():
                 if self._call is not None and self._call.done():
-                    self.failures += 1
                     self.log.warning("return stream to the head ended; reopening",
                                      error=_describe(self._call))
                 if self._outbox is not None:

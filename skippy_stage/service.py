@@ -196,10 +196,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     def ReturnResults(self, request_iterator, context):  # noqa: N802
         """The final stage's direct returns: each settles the head's step waiting on its key."""
-        if not self.stage.config.include_embeddings:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"ReturnResults is served by the head stage only; {self.stage.config.stage_id} has "
-                          f"layer_start={self.stage.config.layer_start}")
+        try:
+            self._require_head("ReturnResults")
+        except SkippyError as exc:
+            _abort(context, exc)
         accepted = 0
         with self._return_lock:
             self._return_streams.add(context)

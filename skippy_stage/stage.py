@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import structlog
@@ -226,16 +225,9 @@ class Stage:
                     self.log.warning("relayed answer failed after the direct return", error=str(error),
                                      request_id=forward.request_id)
             relay.add_done_callback(relayed)
-            try:
-                response = outcome.result(timeout=timeout + 0.05)
-            except FutureTimeout:
-                relay.cancel_hop()
-                raise DownstreamError(f"stage {self.downstream.peer.stage_id} at {self.downstream.peer.endpoint} "
-                                      f"did not answer within {timeout:.3f}s", stage_id=self.downstream.peer.stage_id,
-                                      code_name="DEADLINE_EXCEEDED") from None
+            return self.downstream.wait(outcome, timeout, hop=relay)
         finally:
             self.returns.forget(key)
-        return response
 
     def deliver_return(self, batch: pb.ReturnedBatch) -> bool:
         """A final stage's direct return; False when no step waits for it (late or unknown)."""

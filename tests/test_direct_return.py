@@ -9,7 +9,6 @@ session a stage below loses between steps is re-prefilled, not failed.
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 
@@ -80,12 +79,13 @@ def test_a_head_the_final_stage_cannot_reach_costs_only_the_relay(smollm2, start
     assert_no_active_sessions(pipeline.configs)
 
 
+@pytest.mark.parametrize("return_path", ["direct", "relay"])
 def test_a_session_lost_below_the_head_between_steps_is_re_prefilled_with_identical_text(
-        smollm2, start_pipeline):
+        smollm2, start_pipeline, return_path):
     """What a broken chain behind a direct return leaves (or a stage restarted between two
     steps): the head still holds a session the stages below do not. The next step gets
     NOT_FOUND from below, and the head re-prefills the session's tokens and goes on."""
-    pipeline = start_pipeline(smollm2, THREE, n_threads=1, recovery_wait_s=30, return_path=os.environ.get("RP", "direct"))
+    pipeline = start_pipeline(smollm2, THREE, n_threads=1, recovery_wait_s=30, return_path=return_path)
     prompt = "Here is a short poem about the sea:\n"
     undisturbed, _ = grpc_generate(pipeline.head_endpoint, prompt, 48)
     run = StreamingRun(pipeline.head_endpoint, prompt, 48)
