@@ -7,13 +7,22 @@
 #
 # The builder compiles llama-cpp-python once and turns the project and every dependency into
 # wheels; the runtime image installs those wheels only (no compiler, no network at install).
+#
+# CPU kernels: portable by default. llama.cpp's CPU backend is built once per CPU family
+# (x64, sse42, sandybridge, haswell, skylakex, icelake, alderlake, sapphirerapids, zen4, ...)
+# and ggml loads the best one for the host at start (GGML_BACKEND_DL), as llama.cpp's own
+# images do: one image runs on an AVX2 EPYC and an AVX-512/AMX Xeon alike. A native build
+# (-march=native of the *build* host) is a little faster there and dies with SIGILL on an
+# older CPU; pick it only when the image never leaves hosts like the one that built it:
+#   --build-arg CMAKE_ARGS="-DGGML_NATIVE=ON"
 # For GPUs, build on images that carry CUDA and Python 3.11 and turn the backend on, e.g.
-#   --build-arg PYTHON_IMAGE=<cuda image with python3.11> --build-arg CMAKE_ARGS="-DGGML_CUDA=on"
+#   --build-arg PYTHON_IMAGE=<cuda image with python3.11> \
+#   --build-arg CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_CUDA=on"
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS builder
-ARG CMAKE_ARGS=""
+ARG CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 RUN apt-get update \
@@ -23,9 +32,18 @@ WORKDIR /src
 # Dependencies first, from pyproject.toml alone: the llama-cpp-python compile (minutes) is a
 # layer that only a dependency change invalidates, not an edit to the code.
 COPY pyproject.toml README.md ./
+# llama-cpp-python first, keeping its CMake build tree: with GGML_BACKEND_DL the per-CPU
+# backends (libggml-cpu-<family>.so) are modules its wheel does not carry; they are taken
+# from the build tree and put beside libllama in the runtime image, where skippy-stage
+# loads them (llama_ffi.init_backend) and ggml picks the best for the CPU.
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > requirements.txt \
-    && CMAKE_ARGS="${CMAKE_ARGS}" pip wheel --wheel-dir /wheels -r requirements.txt
+    && CMAKE_ARGS="${CMAKE_ARGS}" pip wheel --no-deps --wheel-dir /wheels --config-settings=build-dir=/build/llama \
+        "$(grep '^llama-cpp-python' requirements.txt)" \
+    && mkdir -p /wheels/ggml-backends \
+    && find /build/llama -name 'libggml-*.so' ! -name 'libggml-base.so' -path '*/bin/*' \
+        -exec cp {} /wheels/ggml-backends/ \; \
+    && pip wheel --wheel-dir /wheels --find-links /wheels -r requirements.txt
 COPY proto ./proto
 COPY skippy_stage ./skippy_stage
 RUN pip wheel --no-deps --wheel-dir /wheels .
@@ -47,7 +65,10 @@ ENV PATH=/opt/skippy-stage/bin:$PATH \
     SKIPPY_STAGE_CACHE=/var/cache/skippy-stage
 # Wheels only, bind-mounted from the builder so they never become a layer of this image.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links /wheels skippy-stage
+    pip install --no-cache-dir --no-index --find-links /wheels skippy-stage \
+    && lib="$(python -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / "lib")')" \
+    && for so in /wheels/ggml-backends/*.so; do [ -e "$so" ] && cp -n "$so" "$lib/"; done; \
+    skippy-stage info
 
 USER 10001:10001
 WORKDIR /home/skippy

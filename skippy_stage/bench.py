@@ -55,9 +55,9 @@ class SingleDecoder:
     decode runs can be interleaved with the pipelines' runs."""
 
     def __init__(self, model: Path, threads: int) -> None:
-        from llama_cpp import Llama
+        from skippy_stage.loader import reference_llama
 
-        self.llm = Llama(model_path=str(model), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+        self.llm = reference_llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
         self.tokens = self.llm.tokenize(PROMPT.encode())
 

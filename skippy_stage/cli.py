@@ -1,4 +1,4 @@
-"""The ``skippy-stage`` command: serve, up, generate, demo, slice.
+"""The ``skippy-stage`` command: serve, up, generate, demo, slice, check, info.
 
 Logs go to stderr, results (generated text, the head endpoint) to stdout. A failure at
 start exits non-zero with one line that names the cause.
@@ -80,6 +80,18 @@ def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, po
     return configs
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent dies (Linux), so a crashed or killed
+    ``up``/``bench`` never leaves stages running, holding ports and its output pipes open.
+    (Linux sends it when the *thread* that started the child ends: start stages from a
+    thread that outlives them, as the CLI and the tests do.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class LocalPipeline:
     """``serve`` processes for a split on loopback; stopped together."""
 
@@ -99,7 +111,7 @@ class LocalPipeline:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "skippy_stage", *(["--log-level", log_level] if log_level else []),
                  "serve", "--config", str(path)],
-                stdin=subprocess.DEVNULL, stderr=stderr,
+                stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=_die_with_parent,
             ))
 
     def restart(self, index: int) -> None:
@@ -107,7 +119,7 @@ class LocalPipeline:
         old = self.procs[index]
         if old.poll() is None:
             raise SkippyError(f"stage {self.configs[index]['stage_id']} is still running")
-        self.procs[index] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL,
+        self.procs[index] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                                              stderr=self.log_files[index] if self.log_files else None)
 
     @property
@@ -159,7 +171,9 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
     info = read_model_info(args.model)
     ranges = _parse_layers(args.layers) if args.layers else even_split(info.block_count, args.stages)
     ports = [args.base_port + i for i in range(len(ranges))] if args.base_port else _free_ports(args.host, len(ranges))
-    extra: dict[str, object] = {"ctx_size": args.ctx_size, "lane_count": args.lanes}
+    extra: dict[str, object] = {"lane_count": args.lanes}
+    if args.ctx_size is not None:
+        extra["ctx_size"] = args.ctx_size
     if args.wire_dtype:
         extra["wire_dtype"] = args.wire_dtype
     # Local stages share this machine's cores. With GOMP_SPINCOUNT bounded (skippy_stage
@@ -309,6 +323,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from skippy_stage.preflight import effective_config
+
+    config, ctx_reason = effective_config(args.config)
+    print(f"# {args.config}: stage {config.stage_id} would serve layers {config.layer_start}:{config.layer_end}; "
+          f"ctx_size from {ctx_reason}", file=sys.stderr)
+    print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from skippy_stage.preflight import format_info, info_report
+
+    report = info_report()
+    print(json.dumps(report, indent=2) if args.json else format_info(report))
+    return 0
+
+
 def cmd_slice(args: argparse.Namespace) -> int:
     from skippy_stage.slicing import read_model_info, stage_file, write_slice
 
@@ -336,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     def pipeline_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--base-port", type=int, default=0, help="first stage's port (default: free ports)")
-        p.add_argument("--ctx-size", type=int, default=2048)
+        p.add_argument("--ctx-size", type=int, default=None,
+                       help="KV cells per stage (default: the model's training context, capped by memory)")
         p.add_argument("--lanes", type=int, default=4)
         p.add_argument("--threads", type=int, default=0, help="llama.cpp threads per stage (default: all cores)")
         p.add_argument("--wire-dtype", choices=("f32", "f16", "bf16", "int8"), default=None)
@@ -380,6 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     from skippy_stage.planner import add_plan_parser
 
     add_plan_parser(sub)
+
+    p = sub.add_parser("check", help="validate a stage config here and print it with every default filled in")
+    p.add_argument("--config", required=True, help="StageConfig JSON file")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("info", help="versions, CPU features, devices and loader policy, for bug reports")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("slice", help="write the GGUF of one layer range")
     p.add_argument("model")

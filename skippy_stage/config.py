@@ -20,11 +20,13 @@ from skippy_stage.errors import ConfigError
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 FLASH_ATTN_TYPES = ("auto", "disabled", "enabled")
 LOAD_MODES = ("runtime-slice", "artifact-slice", "layer-package")
-SPLIT_MODES = ("none", "layer", "row")
+# The seed's split modes; "auto" leaves llama.cpp's default (layer).
+SPLIT_MODES = ("auto", "none", "layer", "row", "tensor")
 WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
 # llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences (lanes) than this.
 MAX_LANES = 256
 
+_SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://")
 _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
 
 
@@ -39,10 +41,24 @@ class Endpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
+def strip_tcp_scheme(text: object) -> object:
+    """``tcp://host:port`` -> ``host:port`` (the seed writes endpoints with the scheme)."""
+    if isinstance(text, str) and text[:6].lower() == "tcp://":
+        return text[6:]
+    return text
+
+
 def parse_endpoint(text: object, *, stage_id: str, field_name: str, allow_port_zero: bool = False) -> Endpoint:
-    """Parse ``host:port``; port 0 is allowed only for a bind address (ask the OS)."""
+    """Parse ``host:port`` or ``tcp://host:port``; port 0 is allowed only for a bind address (ask the OS)."""
     if not isinstance(text, str):
         raise ConfigError(f"stage {stage_id}: {field_name} must be a host:port string, got {text!r}")
+    scheme = _SCHEME.match(text)
+    if scheme is not None and scheme["scheme"].lower() != "tcp":
+        raise ConfigError(
+            f"stage {stage_id}: {field_name}={text!r} uses scheme {scheme['scheme']!r}; "
+            f"only tcp://host:port (or host:port) is supported"
+        )
+    text = str(strip_tcp_scheme(text))
     match = _ENDPOINT.match(text)
     if match is None:
         raise ConfigError(f"stage {stage_id}: {field_name} must be host:port, got {text!r}")
@@ -59,6 +75,9 @@ class PeerConfig:
     stage_id: str
     stage_index: int
     endpoint: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoint", strip_tcp_scheme(self.endpoint))
 
     @property
     def address(self) -> Endpoint:
@@ -77,26 +96,42 @@ class StageConfig:
     run_id: str = "local"
     topology_id: str = "local"
     model_id: str = ""
-    ctx_size: int = 2048
+    # KV cells of this stage's context; unset: the model's training context, capped by what
+    # the host's memory holds (the runtime logs which, and why).
+    ctx_size: int | None = None
     lane_count: int = 4
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     n_threads_batch: int | None = None
     n_gpu_layers: int = 0
-    mmap: bool = True
+    # Loader settings, as the seed names them; each reaches llama_model_params (see loader.py).
+    # mmap unset: llama.cpp decides (it maps the file where every device supports it).
+    mmap: bool | None = None
     mlock: bool = False
+    direct_io: bool = False
+    # Repack weights into llama.cpp's extra buffer types (AMX, ...). Off as in the seed: the
+    # AMX repack crashes llama.cpp (issue #20824), and refused outright on such a CPU.
+    repack: bool = False
+    check_tensors: bool = False
+    no_host_buffer: bool = False
+    # Offload host tensor operations to the device; unset: llama.cpp's default.
+    op_offload: bool | None = None
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     # llama-cpp-python's Llama() runs without flash attention; matching it keeps the
     # unsplit-equivalence contract exact ("auto" picks other kernels on CPU).
     flash_attn_type: str = "disabled"
     kv_offload: bool = True
-    kv_unified: bool = False
+    # One KV pool shared by every lane (as llama-server's parallel slots): a session may use
+    # the whole context while admission shares the pool. Off: ctx_size / lane_count each.
+    kv_unified: bool = True
     swa_full: bool = False
     cache_idle_slots: int | None = None
-    split_mode: str = "layer"
+    split_mode: str = "auto"
     main_gpu: int = 0
+    # A backend device by name (``skippy-stage info`` lists them), or the seed's object
+    # ``{"backend_device": NAME, ...}``; unset: llama.cpp's own choice.
     selected_device: str | None = None
     load_mode: str = "runtime-slice"
     bind_addr: str = "127.0.0.1:0"
@@ -122,8 +157,8 @@ class StageConfig:
     # Prometheus metrics over HTTP on this port (unset: no metrics endpoint).
     metrics_port: int | None = None
     # A session untouched for this long is freed (on every stage, each by its own clock),
-    # so a client or head that vanished never pins a lane; unset: never.
-    session_idle_ttl_s: float | None = 600.0
+    # so a client or head that vanished never pins a lane; 0: never.
+    session_idle_ttl_s: float = 600.0
     # A stage whose downstream has not answered within this many seconds of loading exits
     # non-zero (its orchestrator restarts it); later outages only make it NOT_SERVING.
     downstream_ready_timeout_s: float = 300.0
@@ -144,6 +179,7 @@ class StageConfig:
     recovery_wait_s: float = 15.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "bind_addr", strip_tcp_scheme(self.bind_addr))
         _validate(self)
 
     @property
@@ -174,9 +210,19 @@ class StageConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageConfig:
+        """Build a config from JSON-shaped data, as the seed writes it.
+
+        ``null`` means the field's default. Seed fields this stage does not act on yet are
+        accepted at their default and refused by name otherwise (:data:`SEED_ONLY_FIELDS`).
+        """
         if not isinstance(data, dict):
             raise ConfigError(f"stage config must be a JSON object, got {type(data).__name__}")
         stage_id = str(data.get("stage_id", "<unnamed>"))
+        data = {k: v for k, v in data.items() if v is not None}
+        for name in sorted(set(data) & set(SEED_ONLY_FIELDS)):
+            _check_seed_only(stage_id, name, data.pop(name))
+        if "selected_device" in data:
+            data["selected_device"] = _device_name(data["selected_device"], stage_id=stage_id)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -222,6 +268,73 @@ def load_config(path: str | os.PathLike[str]) -> StageConfig:
     return StageConfig.from_dict(data)
 
 
+@dataclass(frozen=True)
+class SeedOnlyField:
+    default: object
+    why: str
+    also_accepted: tuple[object, ...] = ()
+
+
+# Fields of the seed's StageConfig that this stage does not act on (yet). A seed config
+# spells them at their defaults, so they are accepted there; any other value would ask the
+# stage to do something it cannot, so it is refused by name instead of ignored.
+SEED_ONLY_FIELDS: dict[str, SeedOnlyField] = {
+    "package_ref": SeedOnlyField(None, "layer packages are not supported; point model_path at a GGUF"),
+    "manifest_sha256": SeedOnlyField(None, "layer packages are not supported; point model_path at a GGUF"),
+    "source_model_path": SeedOnlyField(None, "set model_path to the GGUF instead"),
+    "source_model_sha256": SeedOnlyField(None, "source-model verification is not implemented"),
+    "source_model_bytes": SeedOnlyField(None, "source-model verification is not implemented"),
+    "materialized_path": SeedOnlyField(None, "materialized layer packages are not supported"),
+    "materialized_pinned": SeedOnlyField(False, "materialized layer packages are not supported"),
+    "checkpoint_quantization": SeedOnlyField(None, "SafeTensors checkpoints are not supported; give a GGUF"),
+    "checkpoint_imatrix": SeedOnlyField(None, "SafeTensors checkpoints are not supported; give a GGUF"),
+    "checkpoint_imatrix_sha256": SeedOnlyField(None, "SafeTensors checkpoints are not supported; give a GGUF"),
+    "projector_path": SeedOnlyField(None, "multimodal projectors are not supported"),
+    "projector_use_gpu": SeedOnlyField(None, "multimodal projectors are not supported"),
+    "media_marker": SeedOnlyField(None, "multimodal input is not supported"),
+    "image_min_tokens": SeedOnlyField(None, "multimodal input is not supported"),
+    "image_max_tokens": SeedOnlyField(None, "multimodal input is not supported"),
+    "batch_max_tokens": SeedOnlyField(None, "not implemented; n_batch bounds a batch"),
+    "glm_dsa_policy": SeedOnlyField("auto", "GLM sparse attention policies are not implemented"),
+    "generation_signal_window": SeedOnlyField(None, "generation signals are not implemented"),
+    "filter_tensors_on_load": SeedOnlyField(False, "stages load a sliced file instead (load_mode runtime-slice)"),
+    "resident_tensor_names": SeedOnlyField([], "stages load a sliced file instead (load_mode runtime-slice)"),
+    "kv_cache": SeedOnlyField(None, "the resident KV cache is not implemented yet; use null or {\"mode\": \"disabled\"}"),
+    # The seed's default is true, meaning "use MTP heads if the model has them": this stage
+    # never loads them (load_mtp stays off), so both values mean the same here.
+    "native_mtp_enabled": SeedOnlyField(True, "", also_accepted=(False,)),
+}
+
+
+def _check_seed_only(stage_id: str, name: str, value: object) -> None:
+    spec = SEED_ONLY_FIELDS[name]
+    if name == "kv_cache" and isinstance(value, dict) and value.get("mode") == "disabled":
+        return
+    if value == spec.default and type(value) is type(spec.default):
+        return
+    if any(value == v and type(value) is type(v) for v in spec.also_accepted):
+        return
+    accepted = " or ".join(dict.fromkeys(json.dumps(v) for v in (spec.default, *spec.also_accepted, None)))
+    raise ConfigError(
+        f"stage {stage_id}: {name}={value!r} is a seed field this stage does not implement: {spec.why} "
+        f"(accepted: {accepted})"
+    )
+
+
+def _device_name(raw: object, *, stage_id: str) -> object:
+    """The seed's ``{"backend_device": NAME, "stable_id", "index", "vram_bytes"}`` -> NAME."""
+    if not isinstance(raw, dict):
+        return raw  # a name, or garbage that validation names
+    allowed = {"backend_device", "stable_id", "index", "vram_bytes"}
+    extra = sorted(set(raw) - allowed)
+    if extra:
+        raise ConfigError(f"stage {stage_id}: selected_device has unknown key(s) {', '.join(extra)}")
+    name = raw.get("backend_device")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"stage {stage_id}: selected_device.backend_device must be a device name, got {name!r}")
+    return name
+
+
 def _peer(raw: object, *, stage_id: str, side: str) -> PeerConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"stage {stage_id}: {side} must be an object with stage_id, stage_index, endpoint, got {raw!r}")
@@ -247,8 +360,10 @@ def _require_int(cfg: StageConfig, name: str, minimum: int, *, optional: bool = 
         raise _fail(cfg, name, value, f"must be >= {minimum}")
 
 
-def _require_bool(cfg: StageConfig, name: str) -> None:
+def _require_bool(cfg: StageConfig, name: str, *, optional: bool = False) -> None:
     value = getattr(cfg, name)
+    if optional and value is None:
+        return
     if not isinstance(value, bool):
         raise _fail(cfg, name, value, "must be true or false")
 
@@ -279,7 +394,8 @@ def _validate(cfg: StageConfig) -> None:
             f"stage {cfg.stage_id}: layer range {cfg.layer_start}:{cfg.layer_end} is empty "
             f"(layer_end={cfg.layer_end} must be > layer_start={cfg.layer_start})"
         )
-    for name in ("ctx_size", "lane_count", "n_batch", "n_ubatch", "n_threads"):
+    _require_int(cfg, "ctx_size", 1, optional=True)
+    for name in ("lane_count", "n_batch", "n_ubatch", "n_threads"):
         _require_int(cfg, name, 1)
     _require_int(cfg, "n_threads_batch", 1, optional=True)
     _require_int(cfg, "max_message_bytes", 1024)
@@ -293,12 +409,13 @@ def _validate(cfg: StageConfig) -> None:
     _require_int(cfg, "admission_queue", 0)
     if cfg.max_inflight > cfg.lane_count:
         raise _fail(cfg, "max_inflight", cfg.max_inflight, f"must be <= lane_count={cfg.lane_count}")
-    for name in ("admission_wait_s", "downstream_ready_timeout_s", "session_idle_ttl_s"):
+    for name in ("admission_wait_s", "downstream_ready_timeout_s"):
         wait = getattr(cfg, name)
-        if wait is None and name == "session_idle_ttl_s":
-            continue
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 86400:
             raise _fail(cfg, name, wait, "must be a number of seconds in (0, 86400]")
+    ttl = cfg.session_idle_ttl_s
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= 86400:
+        raise _fail(cfg, "session_idle_ttl_s", ttl, "must be a number of seconds in [0, 86400] (0: never expire)")
     if isinstance(cfg.recovery_wait_s, bool) or not isinstance(cfg.recovery_wait_s, (int, float)) \
             or not 0 <= cfg.recovery_wait_s <= 3600:
         raise _fail(cfg, "recovery_wait_s", cfg.recovery_wait_s, "must be a number of seconds in [0, 3600]")
@@ -310,12 +427,18 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.lane_count > cfg.n_ubatch:
         # llama.cpp's equal split cannot place more sequences than n_ubatch in one micro-batch.
         raise _fail(cfg, "lane_count", cfg.lane_count, f"must be <= n_ubatch={cfg.n_ubatch}")
-    if not cfg.kv_unified and cfg.ctx_size < cfg.lane_count:
+    if not cfg.kv_unified and cfg.ctx_size is not None and cfg.ctx_size < cfg.lane_count:
         raise _fail(cfg, "ctx_size", cfg.ctx_size, f"leaves no KV cells per lane for lane_count={cfg.lane_count}")
     if cfg.cache_idle_slots is not None and cfg.cache_idle_slots > cfg.lane_count:
         raise _fail(cfg, "cache_idle_slots", cfg.cache_idle_slots, f"must be <= lane_count={cfg.lane_count}")
-    for name in ("mmap", "mlock", "kv_offload", "kv_unified", "swa_full"):
+    for name in ("mlock", "direct_io", "repack", "check_tensors", "no_host_buffer", "kv_offload", "kv_unified",
+                 "swa_full"):
         _require_bool(cfg, name)
+    for name in ("mmap", "op_offload"):
+        _require_bool(cfg, name, optional=True)
+    if cfg.direct_io and (cfg.mmap or cfg.mlock):
+        raise _fail(cfg, "direct_io", cfg.direct_io,
+                    f"cannot be combined with mmap={cfg.mmap} or mlock={cfg.mlock} (llama.cpp reads the file one way)")
     for name in ("cache_type_k", "cache_type_v"):
         value = getattr(cfg, name)
         if value not in CACHE_TYPES:
@@ -327,6 +450,8 @@ def _validate(cfg: StageConfig) -> None:
         raise _fail(cfg, "cache_type_v", cfg.cache_type_v, "is quantized, which llama.cpp allows only with flash attention")
     _require_str(cfg, "split_mode", choices=SPLIT_MODES)
     _require_str(cfg, "selected_device", optional=True)
+    if cfg.selected_device == "":
+        raise _fail(cfg, "selected_device", cfg.selected_device, "must name a backend device (skippy-stage info lists them)")
     _require_str(cfg, "cache_dir", optional=True)
     _require_str(cfg, "wire_dtype", choices=WIRE_DTYPES)
     _require_str(cfg, "hop_transport", choices=("stream", "unary"))

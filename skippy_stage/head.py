@@ -131,7 +131,8 @@ class Generator:
             raise InvalidRequestError("prompt tokenises to no tokens")
         if len(prompt) >= self.max_context:
             raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} (ctx_size / lane_count)"
+                f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} "
+                f"({self.runtime.session_limit_hint})"
             )
         task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=sampling_to_pb(spec.sampling),
                     max_tokens=spec.max_tokens)

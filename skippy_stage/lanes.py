@@ -87,8 +87,11 @@ class LaneTable:
         cache_idle_slots: int | None,
         reset: ResetFn,
         owner: str = "this stage",
+        lane_limit_hint: str = "",
     ) -> None:
+        """``lane_limit_hint`` names the setting that raises ``cells_per_lane``, for refusals."""
         self.owner = owner
+        self.lane_limit_hint = lane_limit_hint
         self.lane_count = lane_count
         self.cells_per_lane = cells_per_lane
         self.kv_pool_tokens = kv_pool_tokens
@@ -175,6 +178,7 @@ class LaneTable:
                     raise CapacityError(
                         f"session_id={a.session_id!r} would hold {have + a.n_tokens} tokens; "
                         f"a lane has {self.cells_per_lane} KV cells"
+                        + (f" ({self.lane_limit_hint})" if self.lane_limit_hint else "")
                     )
                 total_new += a.n_tokens
             used = sum(s.n_tokens for s in self._sessions.values())

@@ -3,6 +3,11 @@
 Hidden states leave a stage through the backend scheduler's eval callback, which hands us
 raw ``ggml_tensor`` pointers; reading them needs ``ggml_get_name``, ``ggml_nbytes`` and
 ``ggml_backend_tensor_get`` from libggml-base, which ships next to llama_cpp's own libs.
+
+Backend devices (for ``selected_device`` and ``skippy-stage info``) come from libggml's
+registry. A portable build (``GGML_BACKEND_DL=ON``, as the container uses) registers no
+backend until one is loaded from disk, so :func:`init_backend` loads them from llama_cpp's
+library directory when the registry is empty.
 """
 
 from __future__ import annotations
@@ -31,6 +36,43 @@ ggml_backend_tensor_get = _ggml_base.ggml_backend_tensor_get
 ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 ggml_backend_tensor_get.restype = None
 
+ggml_backend_dev_name = _ggml_base.ggml_backend_dev_name
+ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+ggml_backend_dev_name.restype = ctypes.c_char_p
+
+ggml_backend_dev_description = _ggml_base.ggml_backend_dev_description
+ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+ggml_backend_dev_description.restype = ctypes.c_char_p
+
+ggml_backend_dev_type = _ggml_base.ggml_backend_dev_type
+ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+ggml_backend_dev_type.restype = ctypes.c_int
+
+ggml_backend_dev_memory = _ggml_base.ggml_backend_dev_memory
+ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+ggml_backend_dev_memory.restype = None
+
+_ggml = ctypes.CDLL(str(_lib_dir / "libggml.so"))
+
+ggml_backend_reg_count = _ggml.ggml_backend_reg_count
+ggml_backend_reg_count.argtypes = []
+ggml_backend_reg_count.restype = ctypes.c_size_t
+
+ggml_backend_dev_count = _ggml.ggml_backend_dev_count
+ggml_backend_dev_count.argtypes = []
+ggml_backend_dev_count.restype = ctypes.c_size_t
+
+ggml_backend_dev_get = _ggml.ggml_backend_dev_get
+ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+ggml_backend_dev_get.restype = ctypes.c_void_p
+
+ggml_backend_load_all_from_path = _ggml.ggml_backend_load_all_from_path
+ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+ggml_backend_load_all_from_path.restype = None
+
+# enum ggml_backend_dev_type
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
 
 class _TensorHead(ctypes.Structure):
     """The stable leading fields of ``struct ggml_tensor`` (type, buffer, ne[4])."""
@@ -42,6 +84,11 @@ def tensor_shape(tensor: int) -> tuple[int, int, int]:
     """``(ggml type, ne0, ne1)`` of a tensor pointer handed to the eval callback."""
     head = _TensorHead.from_address(tensor)
     return head.type, head.ne[0], head.ne[1]
+
+
+def lib_dir() -> Path:
+    """Where llama_cpp keeps libllama and the ggml libraries it loaded."""
+    return _lib_dir
 
 
 _init_lock = threading.Lock()
@@ -56,4 +103,13 @@ def init_backend() -> None:
             return
         llama_logger.set_verbose(False)
         llama_cpp.llama_backend_init()
+        if ggml_backend_reg_count() == 0:
+            # A GGML_BACKEND_DL build: the CPU variants (libggml-cpu-haswell.so, ...) sit
+            # beside libggml; ggml scores each against this CPU and loads the best one.
+            ggml_backend_load_all_from_path(str(_lib_dir).encode())
+            if ggml_backend_reg_count() == 0:
+                raise RuntimeError(
+                    f"no ggml backend could be loaded from {_lib_dir}: a llama.cpp built with GGML_BACKEND_DL "
+                    f"needs its backend modules (libggml-cpu-*.so) there"
+                )
         _initialised = True

@@ -181,13 +181,14 @@ class GenerateSpec:
     stop: tuple[str, ...]
 
 
-def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int) -> GenerateSpec:
+def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
     if bool(req.prompt) == bool(req.messages):
         raise InvalidRequestError("exactly one of prompt and messages must be set "
                                   f"(prompt has {len(req.prompt)} characters, messages has {len(req.messages)} items)")
     max_tokens = req.max_tokens or 128
     if max_tokens > max_tokens_limit:
-        raise InvalidRequestError(f"max_tokens={max_tokens} exceeds this pipeline's limit {max_tokens_limit}")
+        raise InvalidRequestError(f"max_tokens={max_tokens} exceeds this pipeline's limit {max_tokens_limit}"
+                                  + (f" ({limit_hint})" if limit_hint else ""))
     if len(req.stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError(f"stop has {len(req.stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
     for i, s in enumerate(req.stop):

@@ -103,12 +103,12 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
 
-    def spec(self, max_tokens_limit: int) -> GenerateSpec:
+    def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
         """The Generate spec, with max_tokens checked against the pipeline's session size."""
         max_tokens = max_tokens_limit if self.max_tokens is None else self.max_tokens
         if max_tokens > max_tokens_limit:
             raise InvalidFieldError("max_tokens", f"max_tokens={max_tokens} exceeds this pipeline's limit "
-                                                  f"{max_tokens_limit} (ctx_size / lane_count)")
+                                                  f"{max_tokens_limit} ({limit_hint})")
         return GenerateSpec(prompt=self.prompt, messages=self.messages, max_tokens=max_tokens,
                             sampling=self.sampling, stop=self.stop)
 
@@ -480,7 +480,7 @@ class _Endpoint:
             body = await _read_json(request)
             parsed = parse_request(body, chat=self.chat)
             generator = await asyncio.to_thread(_ready_generator, self.servicer)
-            spec = parsed.spec(generator.max_context)
+            spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
         except SkippyError as exc:
             return self._refuse(exc)
         generation = _Generation(generator, spec, self.live)

@@ -30,21 +30,16 @@ import llama_cpp
 import numpy as np
 import structlog
 
-from skippy_stage import llama_ffi
+from skippy_stage import host, llama_ffi, loader
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure
 from skippy_stage.lanes import Admission, DropResult, LaneStats, LaneTable
 from skippy_stage.sampling import SamplerChain, SamplingParams
-from skippy_stage.slicing import check_architecture, read_model_info, slice_metadata, stage_file
+from skippy_stage.slicing import ModelInfo, check_architecture, read_model_info, slice_metadata, stage_file
 from skippy_stage.ubatch import compute_order
 
 log = structlog.get_logger("skippy_stage.runtime")
 
-CACHE_TYPE_IDS = {
-    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
-}
-FLASH_ATTN_IDS = {"auto": -1, "disabled": 0, "enabled": 1}
-SPLIT_MODE_IDS = {"none": 0, "layer": 1, "row": 2}
 MAX_SESSION_ID_LEN = 256
 
 
@@ -99,6 +94,54 @@ class LoadReport:
     load_seconds: float
 
 
+def check_against_model(cfg: StageConfig) -> ModelInfo:
+    """What the GGUF decides about the config, from its header alone (no weights loaded)."""
+    if cfg.load_mode == "artifact-slice":
+        path = Path(cfg.model_path)
+        meta = slice_metadata(path) if path.is_file() else None
+        if meta is None:
+            raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r} is not a skippy stage file")
+        want = {"layer_start": cfg.layer_start, "layer_end": cfg.layer_end, "final": cfg.include_output}
+        got = {k: meta[k] for k in want}
+        if got != want:
+            raise ConfigError(f"stage {cfg.stage_id}: stage file {path} holds {got}, config needs {want}")
+        info = read_model_info(path)
+        check_architecture(info.architecture)
+        return info
+    try:
+        info = read_model_info(cfg.model_path)
+    except ConfigError as exc:
+        raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r}: {exc}") from None
+    check_architecture(info.architecture)
+    cfg.check_block_count(info.block_count)
+    if cfg.include_output is False and cfg.layer_end == info.block_count:
+        raise ConfigError(
+            f"stage {cfg.stage_id}: layer_end={cfg.layer_end} is the model's last layer, "
+            f"so the stage is final and must have no downstream"
+        )
+    if cfg.include_output and cfg.layer_end != info.block_count:
+        raise ConfigError(
+            f"stage {cfg.stage_id}: no downstream is configured, but layer_end={cfg.layer_end} "
+            f"stops before the model's last layer {info.block_count}"
+        )
+    return info
+
+
+def resolve_context_size(cfg: StageConfig, info: ModelInfo, layers: range) -> loader.ContextSize:
+    """The KV cells this stage's context gets: ctx_size, or sized from the model and host.
+
+    ``info`` describes the file being loaded and ``layers`` this stage's blocks in it.
+    """
+    if cfg.ctx_size is not None:
+        return loader.ContextSize(cfg.ctx_size, f"ctx_size={cfg.ctx_size} in the config")
+    per_token = loader.kv_bytes_per_token(info, layers, cfg.cache_type_k, cfg.cache_type_v)
+    n_ctx_train = int(info.metadata.get(f"{info.architecture}.context_length") or 0)
+    try:
+        return loader.auto_context_size(n_ctx_train, per_token, host.memory_available())
+    except ConfigError as exc:
+        raise ConfigError(f"stage {cfg.stage_id}: ctx_size unset: {exc}") from None
+
+
 class StageRuntime:
     """One loaded layer range with its context, lanes and samplers."""
 
@@ -107,6 +150,7 @@ class StageRuntime:
         self.config = config
         self.log = log.bind(stage_id=config.stage_id, run_id=config.run_id)
         path, built, slice_seconds = self._resolve_stage_file(progress)
+        self.load_path = path
         started = time.perf_counter()
         self._model = self._load_model(path)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
@@ -124,6 +168,7 @@ class StageRuntime:
         self._capture_error: str | None = None
         # Kept on self: llama.cpp calls it for as long as the context lives.
         self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+        self.context_size = self._context_size()
         self._ctx = self._new_context(None if config.include_output else self._eval_cb)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
@@ -138,6 +183,7 @@ class StageRuntime:
             cache_idle_slots=config.cache_idle_slots,
             reset=self._reset_lane,
             owner=f"stage {config.stage_id}",
+            lane_limit_hint=self.session_limit_hint,
         )
         self._samplers: dict[str, _SessionSampler] = {}
         self._history: dict[str, list[int]] = {}
@@ -150,37 +196,26 @@ class StageRuntime:
             slice_s=round(slice_seconds, 3),
             load_s=round(self.load_report.load_seconds, 3),
             n_ctx=self.n_ctx,
+            n_ctx_from=self.context_size.reason,
             cells_per_lane=self.cells_per_lane,
+            kv_unified=config.kv_unified,
         )
+
+    @property
+    def session_limit_hint(self) -> str:
+        """Which setting bounds one session's tokens here, and how to raise it."""
+        if self.config.kv_unified:
+            return f"ctx_size={self.n_ctx} on stage {self.config.stage_id}; raise ctx_size"
+        return (f"ctx_size / lane_count = {self.n_ctx} / {self.config.lane_count} on stage {self.config.stage_id}; "
+                f"raise ctx_size, lower lane_count or set kv_unified=true")
 
     # -- loading ---------------------------------------------------------------------
 
     def _resolve_stage_file(self, progress: bool | None) -> tuple[Path, bool, float]:
         cfg = self.config
+        check_against_model(cfg)
         if cfg.load_mode == "artifact-slice":
-            path = Path(cfg.model_path)
-            meta = slice_metadata(path) if path.is_file() else None
-            if meta is None:
-                raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r} is not a skippy stage file")
-            want = {"layer_start": cfg.layer_start, "layer_end": cfg.layer_end, "final": cfg.include_output}
-            got = {k: meta[k] for k in want}
-            if got != want:
-                raise ConfigError(f"stage {cfg.stage_id}: stage file {path} holds {got}, config needs {want}")
-            check_architecture(read_model_info(path).architecture)
-            return path, False, 0.0
-        info = read_model_info(cfg.model_path)
-        check_architecture(info.architecture)
-        cfg.check_block_count(info.block_count)
-        if cfg.include_output is False and cfg.layer_end == info.block_count:
-            raise ConfigError(
-                f"stage {cfg.stage_id}: layer_end={cfg.layer_end} is the model's last layer, "
-                f"so the stage is final and must have no downstream"
-            )
-        if cfg.include_output and cfg.layer_end != info.block_count:
-            raise ConfigError(
-                f"stage {cfg.stage_id}: no downstream is configured, but layer_end={cfg.layer_end} "
-                f"stops before the model's last layer {info.block_count}"
-            )
+            return Path(cfg.model_path), False, 0.0
         made = stage_file(
             cfg.model_path, cfg.layer_start, cfg.layer_end, final=cfg.include_output,
             cache_dir=cfg.cache_dir, progress=progress,
@@ -189,41 +224,25 @@ class StageRuntime:
 
     def _load_model(self, path: Path) -> llama_cpp.llama_model_p:
         cfg = self.config
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 2**31 - 1
-        params.use_mmap = cfg.mmap
-        params.use_mlock = cfg.mlock
-        params.split_mode = SPLIT_MODE_IDS[cfg.split_mode]
-        params.main_gpu = cfg.main_gpu
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        # Built (and checked against this host) before anything is loaded; kept on self
+        # because params.devices points into it while llama.cpp loads.
+        self.model_params = loader.model_params(cfg)
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), self.model_params.params)
         if not model:
             raise RuntimeFailure(f"stage {cfg.stage_id}: llama.cpp could not load {path}")
         return model
 
+    def _context_size(self) -> loader.ContextSize:
+        return resolve_context_size(self.config, read_model_info(self.load_path), range(self.n_layers))
+
     def _new_context(self, callback: object | None) -> llama_cpp.llama_context_p:
         cfg = self.config
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = cfg.ctx_size
-        params.n_batch = cfg.n_batch
-        params.n_ubatch = cfg.n_ubatch
-        params.n_seq_max = cfg.lane_count
-        params.n_threads = cfg.n_threads
-        params.n_threads_batch = cfg.threads_batch
-        params.flash_attn_type = FLASH_ATTN_IDS[cfg.flash_attn_type]
-        params.type_k = CACHE_TYPE_IDS[cfg.cache_type_k]
-        params.type_v = CACHE_TYPE_IDS[cfg.cache_type_v]
-        params.offload_kqv = cfg.kv_offload
-        params.kv_unified = cfg.kv_unified
-        params.swa_full = cfg.swa_full
-        params.embeddings = False
-        params.no_perf = True
-        if callback is not None:
-            params.cb_eval = callback
-            params.cb_eval_user_data = None
-        ctx = llama_cpp.llama_init_from_model(self._model, params)
+        n_ctx = self.context_size.n_ctx
+        self.context_params = loader.context_params(cfg, n_ctx, callback)
+        ctx = llama_cpp.llama_init_from_model(self._model, self.context_params)
         if not ctx:
             raise RuntimeFailure(
-                f"stage {cfg.stage_id}: llama.cpp refused the context (ctx_size={cfg.ctx_size}, "
+                f"stage {cfg.stage_id}: llama.cpp refused the context (ctx_size={n_ctx}, "
                 f"lane_count={cfg.lane_count}, cache types {cfg.cache_type_k}/{cfg.cache_type_v}, "
                 f"flash_attn_type={cfg.flash_attn_type})"
             )

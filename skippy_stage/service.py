@@ -238,7 +238,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         try:
             self._require_head("Generate")
             generator = self._head()
-            spec = generate_spec_from_pb(request, max_tokens_limit=generator.max_context)
+            spec = generate_spec_from_pb(request, max_tokens_limit=generator.max_context,
+                                         limit_hint=generator.runtime.session_limit_hint)
             first_token_s = None
             for event in generator.generate(spec, remaining_s=context.time_remaining, is_active=context.is_active):
                 if isinstance(event, Finish):

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
@@ -65,6 +66,17 @@ class ModelInfo:
     n_embd: int
     n_vocab: int
     name: str
+    # Header metadata: scalars, and numeric arrays (per-layer values) up to a bound.
+    metadata: dict[str, object] = dataclass_field(default_factory=dict, repr=False, compare=False)
+
+    def per_layer(self, key: str) -> tuple[int, ...] | None:
+        """``{arch}.{key}``, one value per block (a scalar is repeated); None if absent."""
+        value = self.metadata.get(f"{self.architecture}.{key}")
+        if value is None:
+            return None
+        if isinstance(value, tuple):
+            return tuple(int(v) for v in value)
+        return (int(value),) * self.block_count
 
 
 def _field_value(reader: GGUFReader, key: str) -> object | None:
@@ -76,8 +88,13 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 _STRING, _ARRAY = 8, 9
 
 
+_SMALL_ARRAY = 1 << 16
+
+
 def _read_header_kv(path: Path) -> dict[str, object]:
-    """Scalar metadata of a GGUF (arrays reduced to their length), without parsing tensors.
+    """Scalar metadata of a GGUF, without parsing tensors: numeric arrays of up to
+    ``_SMALL_ARRAY`` values (per-layer hyper-parameters) as tuples, other arrays (the
+    vocabulary) reduced to their length.
 
     GGUFReader materialises every vocabulary string as a numpy view (seconds for a small
     model); a stage only needs a handful of scalars at start-up, so walk the header here.
@@ -103,7 +120,11 @@ def _read_header_kv(path: Path) -> dict[str, object]:
                 sub, count = struct.unpack_from("<IQ", buf, at)
                 at += 12
                 if sub in _SCALAR_FORMATS:
-                    return count, at + count * struct.calcsize(_SCALAR_FORMATS[sub])
+                    fmt = _SCALAR_FORMATS[sub]
+                    end = at + count * struct.calcsize(fmt)
+                    if count <= _SMALL_ARRAY:
+                        return struct.unpack_from(f"<{count}{fmt[1:]}", buf, at), end
+                    return count, end
                 for _ in range(count):
                     _, at = skip_value(sub, at)
                 return count, at
@@ -136,9 +157,14 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         architecture=arch,
         block_count=int(block_count),
         n_embd=int(n_embd),
-        n_vocab=int(kv.get("tokenizer.ggml.tokens", 0)),
+        n_vocab=_length(kv.get("tokenizer.ggml.tokens", 0)),
         name=str(kv.get("general.name") or path.stem),
+        metadata=kv,
     )
+
+
+def _length(value: object) -> int:
+    return len(value) if isinstance(value, tuple) else int(value)
 
 
 def check_architecture(arch: str) -> ArchRule:

@@ -269,7 +269,7 @@ class Stage:
     def expire_idle_sessions(self) -> list[str]:
         """Free sessions idle for longer than session_idle_ttl_s; returns their ids."""
         ttl = self.config.session_idle_ttl_s
-        if ttl is None or self.runtime is None:
+        if not ttl or self.runtime is None:
             return []
         expired = self.runtime.lanes.idle_sessions(ttl)
         for session_id in expired:

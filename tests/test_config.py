@@ -6,6 +6,7 @@ because the reader is an operator looking at one log line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -322,8 +323,9 @@ def test_unknown_load_mode_is_refused() -> None:
 # -- booleans ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mmap", "mlock", "kv_offload", "kv_unified", "swa_full"])
-@pytest.mark.parametrize("value", ["yes", 1, None])
+@pytest.mark.parametrize("name", ["mmap", "mlock", "direct_io", "repack", "check_tensors", "no_host_buffer",
+                                  "op_offload", "kv_offload", "kv_unified", "swa_full"])
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
 def test_boolean_fields_must_be_real_booleans(name: str, value: object) -> None:
     message = refused(**{name: value})
 
@@ -472,3 +474,129 @@ def test_return_to_must_be_a_peer_with_a_host_port_endpoint(bad: object) -> None
     with pytest.raises(ConfigError) as info:
         final(return_to=raw)
     assert "return_to" in str(info.value)
+
+
+# -- configs written for the seed (skippy-server) ------------------------------------------------
+
+# Every field of the seed's StageConfig, spelled as the seed writes it: its defaults, nulls
+# for the optional ones, tcp:// endpoints, the selected device as an object.
+SEED_CONFIG: dict[str, Any] = {
+    "run_id": "run-local", "topology_id": "three-hosts", "model_id": "smollm2:Q4_1",
+    "package_ref": None, "manifest_sha256": None, "source_model_path": None, "source_model_sha256": None,
+    "source_model_bytes": None, "materialized_path": None, "materialized_pinned": False,
+    "model_path": "/models/smollm2.gguf", "checkpoint_quantization": None, "checkpoint_imatrix": None,
+    "checkpoint_imatrix_sha256": None, "projector_path": None, "projector_use_gpu": None, "media_marker": None,
+    "image_min_tokens": None, "image_max_tokens": None, "batch_max_tokens": None, "glm_dsa_policy": "auto",
+    "generation_signal_window": None,
+    "stage_id": "stage-1", "stage_index": 1, "layer_start": 10, "layer_end": 20,
+    "ctx_size": 4096, "lane_count": 4, "n_batch": None, "n_ubatch": None, "n_threads": None,
+    "n_threads_batch": None, "n_gpu_layers": 0, "mmap": None, "mlock": False, "repack": False,
+    "op_offload": None, "no_host_buffer": False, "check_tensors": False, "direct_io": False, "main_gpu": None,
+    "split_mode": "auto", "cache_type_k": "f16", "cache_type_v": "f16", "flash_attn_type": "disabled",
+    "kv_offload": None, "kv_unified": None, "swa_full": None, "cache_idle_slots": None,
+    "filter_tensors_on_load": False, "resident_tensor_names": [],
+    "selected_device": {"backend_device": "CPU", "stable_id": None, "index": 0, "vram_bytes": None},
+    "kv_cache": None, "native_mtp_enabled": True, "load_mode": "runtime-slice",
+    "bind_addr": "tcp://0.0.0.0:7001",
+    "upstream": {"stage_id": "stage-0", "stage_index": 0, "endpoint": "tcp://gpu-a:7000"},
+    "downstream": {"stage_id": "stage-2", "stage_index": 2, "endpoint": "tcp://gpu-c:7000"},
+}
+
+
+def test_a_config_that_spells_every_seed_field_loads(tmp_path: Path) -> None:
+    cfg = load_config(write_json(tmp_path, SEED_CONFIG))
+
+    assert (cfg.stage_id, cfg.layer_start, cfg.layer_end, cfg.ctx_size) == ("stage-1", 10, 20, 4096)
+    assert cfg.bind_addr == "0.0.0.0:7001"
+    assert cfg.upstream.endpoint == "gpu-a:7000" and cfg.downstream.endpoint == "gpu-c:7000"
+    assert cfg.selected_device == "CPU"
+    defaults = StageConfig(model_path="m", stage_id="s", stage_index=0, layer_start=0, layer_end=1)
+    for name in ("n_batch", "n_ubatch", "n_threads", "main_gpu", "kv_offload", "kv_unified", "swa_full", "mmap",
+                 "op_offload"):
+        assert getattr(cfg, name) == getattr(defaults, name), name
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("package_ref", "hf://org/model:stage-1"), ("manifest_sha256", "ab" * 32), ("source_model_path", "/m.safetensors"),
+    ("source_model_sha256", "cd" * 32), ("source_model_bytes", 123), ("materialized_path", "/cache/pkg"),
+    ("materialized_pinned", True), ("checkpoint_quantization", "q4_k_m"), ("checkpoint_imatrix", "/m.imatrix"),
+    ("projector_path", "/mmproj.gguf"), ("projector_use_gpu", True), ("media_marker", "<image>"),
+    ("image_min_tokens", 64), ("image_max_tokens", 256), ("batch_max_tokens", 1024), ("glm_dsa_policy", "v1"),
+    ("generation_signal_window", 8), ("filter_tensors_on_load", True), ("resident_tensor_names", ["blk.10.x"]),
+    ("kv_cache", {"mode": "lookup-record"}),
+])
+def test_a_seed_field_this_stage_would_have_to_act_on_is_refused_by_name(name: str, value: object) -> None:
+    message = refused(**{**middle().to_dict(), name: value, "downstream_alternates": []})
+
+    assert "stage-1" in message and f"{name}={value!r}" in message
+    assert "does not implement" in message
+
+
+@pytest.mark.parametrize("kv_cache", [None, {"mode": "disabled"}])
+def test_a_disabled_seed_kv_cache_is_accepted(kv_cache: object) -> None:
+    assert config(kv_cache=kv_cache).stage_id == "stage-0"
+
+
+@pytest.mark.parametrize("mtp", [True, False])
+def test_native_mtp_enabled_is_accepted_either_way(mtp: bool) -> None:
+    assert config(native_mtp_enabled=mtp).stage_id == "stage-0"
+
+
+def test_null_means_the_default_for_every_field_that_has_one() -> None:
+    optional = [f for f in dataclasses.fields(StageConfig)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+    cfg = config(**{f.name: None for f in optional})
+    for f in optional:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert getattr(cfg, f.name) == default, f.name
+
+
+def test_tcp_endpoints_are_accepted_everywhere_and_stored_as_host_port() -> None:
+    cfg = config(bind_addr="tcp://0.0.0.0:7000", downstream={**DOWNSTREAM, "endpoint": "tcp://[::1]:5001"},
+                 downstream_alternates=[{**DOWNSTREAM, "endpoint": "TCP://spare:5001"}])
+    assert cfg.bind_addr == "0.0.0.0:7000"
+    assert cfg.downstream.endpoint == "[::1]:5001" and cfg.downstream.address == Endpoint("::1", 5001)
+    assert cfg.downstream_alternates[0].endpoint == "spare:5001"
+
+
+@pytest.mark.parametrize("endpoint", ["unix:///run/stage.sock", "http://gpu-b:7000", "quic://gpu-b:7000"])
+def test_an_endpoint_with_another_scheme_is_refused_naming_it(endpoint: str) -> None:
+    message = refused(downstream={**DOWNSTREAM, "endpoint": endpoint})
+
+    assert repr(endpoint) in message and "tcp://" in message
+
+
+@pytest.mark.parametrize("mode", ["auto", "none", "layer", "row", "tensor"])
+def test_every_seed_split_mode_is_accepted(mode: str) -> None:
+    assert config(split_mode=mode).split_mode == mode
+
+
+def test_an_unknown_split_mode_is_refused_listing_the_seed_values() -> None:
+    message = refused(split_mode="pipeline")
+    assert "split_mode='pipeline'" in message and "auto, none, layer, row, tensor" in message
+
+
+def test_selected_device_may_be_a_name_or_the_seeds_object() -> None:
+    assert config(selected_device="CPU").selected_device == "CPU"
+    assert config(selected_device={"backend_device": "CUDA0", "index": 0}).selected_device == "CUDA0"
+    assert "selected_device.backend_device" in refused(selected_device={"index": 0})
+    assert "unknown key(s) vendor" in refused(selected_device={"backend_device": "CPU", "vendor": "x"})
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"direct_io": True, "mmap": True}, "direct_io=True"),
+    ({"direct_io": True, "mlock": True}, "direct_io=True"),
+])
+def test_direct_io_cannot_be_combined_with_mmap_or_mlock(changes: dict, named: str) -> None:
+    assert named in refused(**changes)
+
+
+def test_loader_defaults_follow_the_seed_and_llama_server() -> None:
+    cfg = config()
+    assert (cfg.repack, cfg.mmap, cfg.mlock, cfg.direct_io, cfg.check_tensors, cfg.no_host_buffer) == \
+        (False, None, False, False, False, False)
+    assert (cfg.kv_unified, cfg.ctx_size, cfg.split_mode) == (True, None, "auto")
+
+
+def test_session_idle_ttl_zero_means_never() -> None:
+    assert config(session_idle_ttl_s=0).session_idle_ttl_s == 0

@@ -249,6 +249,20 @@ def test_dockerfile_is_multi_stage_non_root_with_a_grpc_healthcheck() -> None:
     assert ("CMD", '["serve", "--config", "/config/stage.json"]') in steps
 
 
+def test_dockerfile_builds_portable_cpu_kernels_by_default() -> None:
+    """An image built on an AVX-512 host must run on an AVX2 one: every CPU variant, chosen at start."""
+    steps = dockerfile_instructions()
+    runtime_from = max(i for i, (op, _) in enumerate(steps) if op == "FROM")
+    (cmake_args,) = [args for op, args in steps[:runtime_from] if op == "ARG" and args.startswith("CMAKE_ARGS=")]
+    for flag in ("-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"):
+        assert flag in cmake_args
+    builder_runs = " ".join(args for op, args in steps[:runtime_from] if op == "RUN")
+    assert "build-dir=" in builder_runs and "libggml-" in builder_runs, "the per-CPU backends are kept"
+    runtime_runs = " ".join(args for op, args in steps[runtime_from:] if op == "RUN")
+    assert "ggml-backends" in runtime_runs, "and installed beside libllama"
+    assert 'CMAKE_ARGS="-DGGML_NATIVE=ON"' in (ROOT / "Dockerfile").read_text(), "the native build is one flag away"
+
+
 def test_compose_runs_the_images_health_check() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     for service in compose["services"].values():

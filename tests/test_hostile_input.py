@@ -643,15 +643,21 @@ def check_from_dict(data: object) -> None:
     def number(value: object) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-    for name in ("admission_wait_s", "downstream_ready_timeout_s", "session_idle_ttl_s"):
+    for name in ("admission_wait_s", "downstream_ready_timeout_s"):
         value = getattr(cfg, name)
-        assert (value is None and name == "session_idle_ttl_s") or (number(value) and 0 < value <= 86400), name
+        assert number(value) and 0 < value <= 86400, name
+    assert number(cfg.session_idle_ttl_s) and 0 <= cfg.session_idle_ttl_s <= 86400
     assert number(cfg.recovery_wait_s) and 0 <= cfg.recovery_wait_s <= 3600
-    for name in ("ctx_size", "lane_count", "n_batch", "n_ubatch", "n_threads", "max_inflight"):
+    assert cfg.ctx_size is None or (isinstance(cfg.ctx_size, int) and not isinstance(cfg.ctx_size, bool)
+                                    and cfg.ctx_size >= 1)
+    for name in ("lane_count", "n_batch", "n_ubatch", "n_threads", "max_inflight"):
         value = getattr(cfg, name)
         assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, name
-    for name in ("mmap", "mlock", "kv_offload", "kv_unified", "swa_full"):
+    for name in ("mlock", "direct_io", "repack", "check_tensors", "no_host_buffer", "kv_offload", "kv_unified",
+                 "swa_full"):
         assert isinstance(getattr(cfg, name), bool), name
+    for name in ("mmap", "op_offload"):
+        assert getattr(cfg, name) is None or isinstance(getattr(cfg, name), bool), name
     # ...and it survives its own serialisation (what `up` writes and `serve` reads).
     again = StageConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert json.dumps(again.to_dict(), sort_keys=True) == json.dumps(cfg.to_dict(), sort_keys=True)

@@ -27,14 +27,16 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from llama_cpp import Llama
 
 from skippy_stage.cli import _free_ports
+from skippy_stage.loader import reference_llama
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 MAX_TOKENS = 32
-# One llama.cpp thread per stage: three stages share this machine's cores.
-STAGE_OPTIONS = {"n_threads": 1}
+# One llama.cpp thread per stage: three stages share this machine's cores. Separate lanes
+# (kv_unified off): concurrent clients must get what sequential calls get, which a shared
+# KV pool does not promise (cells of concurrent sessions interleave; README, kv_unified).
+STAGE_OPTIONS = {"n_threads": 1, "kv_unified": False}
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You answer in one short sentence."},
@@ -54,7 +56,7 @@ def usage_of(result: dict) -> dict:
 @pytest.fixture(scope="module")
 def reference(smollm2):
     """What llama-cpp-python answers on the unsplit model, greedy."""
-    llm = Llama(model_path=str(smollm2), n_ctx=2048, verbose=False)
+    llm = reference_llama(smollm2, n_ctx=2048, verbose=False)
     try:
         chats = [llm.create_chat_completion(m, temperature=0, max_tokens=MAX_TOKENS) for m in CHATS]
         completions = [llm.create_completion(p, max_tokens=MAX_TOKENS, temperature=0) for p in PROMPTS]

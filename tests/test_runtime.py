@@ -40,7 +40,7 @@ def chain(smollm2, slice_cache):
     """Two stage runtimes, built once for the module: stage-0 (0:15, the head) and stage-1 (15:30, final)."""
     configs = split_configs(
         smollm2, [(0, 15), (15, 30)], slice_cache,
-        n_batch=N_BATCH, n_ubatch=N_BATCH, ctx_size=CTX_SIZE, lane_count=LANE_COUNT,
+        n_batch=N_BATCH, n_ubatch=N_BATCH, ctx_size=CTX_SIZE, lane_count=LANE_COUNT, kv_unified=False,
         n_threads=1,  # two stages share two cores: one thread each, so neither spins waiting for the other
     )
     built = Chain(configs)

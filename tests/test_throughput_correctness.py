@@ -64,7 +64,9 @@ def generate_with_count(endpoint: str, prompt: str, max_tokens: int) -> tuple[st
 
 
 def test_eight_concurrent_sessions_with_mixed_prompt_lengths_give_the_sequential_greedy_texts(smollm2, start_pipeline):
-    pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS, lane_count=8, n_ubatch=64, max_inflight=2, ctx_size=4096)
+    # Separate lanes (kv_unified off): load-independent text is what lanes promise; see README.
+    pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS, lane_count=8, n_ubatch=64, max_inflight=2,
+                              ctx_size=4096, kv_unified=False)
     head = pipeline.head_endpoint
     try:
         sequential = [generate_with_count(head, p, 16) for p in MIXED_PROMPTS]

@@ -1,0 +1,106 @@
+"""``skippy-stage check`` and ``skippy-stage info``, run as an operator runs them: as commands.
+
+``check`` exits 0 and prints the effective config as JSON (every default filled in, the
+context size resolved), or exits 2 with one line naming the field and the value. ``info``
+prints what a bug report needs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skippy_stage import host
+
+
+def skippy(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "skippy_stage", "--log-level", "warning", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def write(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "stage.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def seed_style(model: Path, **changes: object) -> dict:
+    """Stage 1 of 0:10/10:20/20:30, as the seed writes a config (nulls, tcp:// endpoints)."""
+    config = {
+        "run_id": "r", "topology_id": "t", "model_id": "smollm2", "model_path": str(model), "package_ref": None,
+        "stage_id": "stage-1", "stage_index": 1, "layer_start": 10, "layer_end": 20, "ctx_size": None,
+        "lane_count": 4, "n_batch": None, "n_ubatch": None, "mmap": None, "repack": False, "kv_unified": None,
+        "selected_device": {"backend_device": "CPU", "index": 0}, "native_mtp_enabled": True, "kv_cache": None,
+        "load_mode": "runtime-slice", "bind_addr": "tcp://127.0.0.1:7001",
+        "upstream": {"stage_id": "stage-0", "stage_index": 0, "endpoint": "tcp://127.0.0.1:7000"},
+        "downstream": {"stage_id": "stage-2", "stage_index": 2, "endpoint": "tcp://127.0.0.1:7002"},
+    }
+    config.update(changes)
+    return config
+
+
+def test_check_prints_the_effective_config_with_defaults_filled_in(smollm2, tmp_path):
+    done = skippy("check", "--config", str(write(tmp_path, seed_style(smollm2))))
+
+    assert done.returncode == 0, done.stderr
+    effective = json.loads(done.stdout)
+    assert effective["ctx_size"] == 8192  # SmolLM2's training context: ctx_size was null
+    assert (effective["n_batch"], effective["kv_unified"], effective["repack"]) == (512, True, False)
+    assert effective["bind_addr"] == "127.0.0.1:7001"
+    assert effective["downstream"]["endpoint"] == "127.0.0.1:7002"
+    assert effective["selected_device"] == "CPU"
+    assert "training context" in done.stderr
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"lane_count": 0}, "lane_count=0"),
+    ({"package_ref": "hf://org/pkg"}, "package_ref='hf://org/pkg'"),
+    ({"layer_end": 31}, "layer_end=31"),
+    ({"selected_device": "CUDA9"}, "selected_device='CUDA9'"),
+    ({"model_path": "/nowhere/model.gguf"}, "model_path='/nowhere/model.gguf'"),
+    ({"split_mode": "diagonal"}, "split_mode='diagonal'"),
+])
+def test_check_exits_2_naming_the_field_and_value(smollm2, tmp_path, changes, named):
+    done = skippy("check", "--config", str(write(tmp_path, seed_style(smollm2, **changes))))
+
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert named in done.stderr and "stage-1" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_check_refuses_repack_where_llama_cpp_would_crash(smollm2, tmp_path):
+    done = skippy("check", "--config", str(write(tmp_path, seed_style(smollm2, repack=True))))
+
+    if host.host_info().amx:
+        assert done.returncode == 2 and "repack=true is refused" in done.stderr and "repack=false" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["repack"] is True
+
+
+def test_info_json_has_what_a_bug_report_needs():
+    done = skippy("info", "--json")
+
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["llama_cpp_python_version"] and report["skippy_stage_version"]
+    assert report["system_info"].startswith("CPU :") or "CPU" in report["system_info"]
+    assert report["cpu_model"]
+    assert any(d["type"] == "cpu" for d in report["devices"])
+    assert report["amx"] is host.host_info().amx
+    policy = report["loader_policy"]
+    assert policy["repack"]["default"] is False
+    assert policy["repack"]["true_allowed"] is (not report["amx"])
+
+
+def test_info_prints_a_readable_summary():
+    done = skippy("info")
+
+    assert done.returncode == 0, done.stderr
+    for label in ("llama-cpp-python", "llama.cpp system", "CPU flags", "devices", "loader policy", "repack"):
+        assert label in done.stdout
