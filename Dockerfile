@@ -32,18 +32,12 @@ WORKDIR /src
 # Dependencies first, from pyproject.toml alone: the llama-cpp-python compile (minutes) is a
 # layer that only a dependency change invalidates, not an edit to the code.
 COPY pyproject.toml README.md ./
-# llama-cpp-python first, keeping its CMake build tree: with GGML_BACKEND_DL the per-CPU
-# backends (libggml-cpu-<family>.so) are modules its wheel does not carry; they are taken
-# from the build tree and put beside libllama in the runtime image, where skippy-stage
-# loads them (llama_ffi.init_backend) and ggml picks the best for the CPU.
+# With GGML_BACKEND_DL the wheel of llama-cpp-python carries one libggml-cpu-<family>.so per
+# CPU family (installed to site-packages/bin); skippy-stage loads them at start
+# (llama_ffi.init_backend) and ggml picks the best one for the CPU it finds.
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > requirements.txt \
-    && CMAKE_ARGS="${CMAKE_ARGS}" pip wheel --no-deps --wheel-dir /wheels --config-settings=build-dir=/build/llama \
-        "$(grep '^llama-cpp-python' requirements.txt)" \
-    && mkdir -p /wheels/ggml-backends \
-    && find /build/llama -name 'libggml-*.so' ! -name 'libggml-base.so' -path '*/bin/*' \
-        -exec cp {} /wheels/ggml-backends/ \; \
-    && pip wheel --wheel-dir /wheels --find-links /wheels -r requirements.txt
+    && CMAKE_ARGS="${CMAKE_ARGS}" pip wheel --wheel-dir /wheels -r requirements.txt
 COPY proto ./proto
 COPY skippy_stage ./skippy_stage
 RUN pip wheel --no-deps --wheel-dir /wheels .
@@ -66,9 +60,7 @@ ENV PATH=/opt/skippy-stage/bin:$PATH \
 # Wheels only, bind-mounted from the builder so they never become a layer of this image.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels skippy-stage \
-    && lib="$(python -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / "lib")')" \
-    && for so in /wheels/ggml-backends/*.so; do [ -e "$so" ] && cp -n "$so" "$lib/"; done; \
-    skippy-stage info
+    && skippy-stage info
 
 USER 10001:10001
 WORKDIR /home/skippy

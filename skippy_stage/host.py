@@ -47,7 +47,7 @@ class HostInfo:
     memory_available: int
     skippy_stage_version: str
     llama_cpp_python_version: str
-    ggml_libraries: tuple[str, ...]  # the backend libraries beside libllama (one per CPU variant if portable)
+    ggml_libraries: tuple[str, ...]  # ggml's libraries (one libggml-cpu-* per CPU family in a portable build)
 
     @property
     def amx(self) -> bool:
@@ -143,7 +143,7 @@ def host_info() -> HostInfo:
         memory_available=available,
         skippy_stage_version=_version("skippy-stage"),
         llama_cpp_python_version=getattr(llama_cpp, "__version__", _version("llama-cpp-python")),
-        ggml_libraries=tuple(sorted(p.name for p in llama_ffi.lib_dir().glob("libggml*.so"))),
+        ggml_libraries=tuple(sorted({p.name for d in llama_ffi.backend_dirs() for p in d.glob("libggml*.so")})),
     )
 
 

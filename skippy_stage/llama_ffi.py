@@ -22,7 +22,22 @@ from llama_cpp import _logger as llama_logger
 GGML_TYPE_F32 = 0
 
 _lib_dir = Path(llama_cpp.__file__).parent / "lib"
-_ggml_base = ctypes.CDLL(str(_lib_dir / "libggml-base.so"))
+
+
+def _same_library_as_libllama(name: str) -> ctypes.CDLL:
+    """Open the copy of ``name`` that libllama itself linked (by its soname, ``name.so.0``).
+
+    A wheel cannot hold symlinks, so ``libggml.so`` and ``libggml.so.0`` are two files; opening
+    the other one would give this process a second ggml with a registry of its own, and
+    backends loaded into it would be invisible to llama.cpp.
+    """
+    for candidate in (f"{name}.so.0", f"{name}.so"):
+        if (_lib_dir / candidate).exists():
+            return ctypes.CDLL(str(_lib_dir / candidate))
+    raise OSError(f"{name}.so not found in {_lib_dir}")
+
+
+_ggml_base = _same_library_as_libllama("libggml-base")
 
 ggml_get_name = _ggml_base.ggml_get_name
 ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -52,7 +67,7 @@ ggml_backend_dev_memory = _ggml_base.ggml_backend_dev_memory
 ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
 ggml_backend_dev_memory.restype = None
 
-_ggml = ctypes.CDLL(str(_lib_dir / "libggml.so"))
+_ggml = _same_library_as_libllama("libggml")
 
 ggml_backend_reg_count = _ggml.ggml_backend_reg_count
 ggml_backend_reg_count.argtypes = []
@@ -91,6 +106,12 @@ def lib_dir() -> Path:
     return _lib_dir
 
 
+def backend_dirs() -> list[Path]:
+    """Where a GGML_BACKEND_DL build's backend modules may be: beside libllama, or where
+    llama-cpp-python's wheel installs ggml's runtime files (``<site-packages>/bin``)."""
+    return [_lib_dir, _lib_dir.parent.parent / "bin"]
+
+
 _init_lock = threading.Lock()
 _initialised = False
 
@@ -104,12 +125,15 @@ def init_backend() -> None:
         llama_logger.set_verbose(False)
         llama_cpp.llama_backend_init()
         if ggml_backend_reg_count() == 0:
-            # A GGML_BACKEND_DL build: the CPU variants (libggml-cpu-haswell.so, ...) sit
-            # beside libggml; ggml scores each against this CPU and loads the best one.
-            ggml_backend_load_all_from_path(str(_lib_dir).encode())
-            if ggml_backend_reg_count() == 0:
+            # A GGML_BACKEND_DL build: ggml scores each CPU variant (libggml-cpu-haswell.so,
+            # ...) against this CPU and loads the best one.
+            for where in backend_dirs():
+                ggml_backend_load_all_from_path(str(where).encode())
+                if ggml_backend_reg_count():
+                    break
+            else:
                 raise RuntimeError(
-                    f"no ggml backend could be loaded from {_lib_dir}: a llama.cpp built with GGML_BACKEND_DL "
-                    f"needs its backend modules (libggml-cpu-*.so) there"
+                    f"no ggml backend could be loaded from {', '.join(map(str, backend_dirs()))}: a llama.cpp "
+                    f"built with GGML_BACKEND_DL needs its backend modules (libggml-cpu-*.so) in one of them"
                 )
         _initialised = True

@@ -257,9 +257,9 @@ def test_dockerfile_builds_portable_cpu_kernels_by_default() -> None:
     for flag in ("-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"):
         assert flag in cmake_args
     builder_runs = " ".join(args for op, args in steps[:runtime_from] if op == "RUN")
-    assert "build-dir=" in builder_runs and "libggml-" in builder_runs, "the per-CPU backends are kept"
+    assert 'CMAKE_ARGS="${CMAKE_ARGS}" pip wheel' in builder_runs, "llama-cpp-python is built with them"
     runtime_runs = " ".join(args for op, args in steps[runtime_from:] if op == "RUN")
-    assert "ggml-backends" in runtime_runs, "and installed beside libllama"
+    assert "skippy-stage info" in runtime_runs, "the image proves at build time that a CPU backend loads"
     assert 'CMAKE_ARGS="-DGGML_NATIVE=ON"' in (ROOT / "Dockerfile").read_text(), "the native build is one flag away"
 
 
