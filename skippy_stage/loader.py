@@ -136,7 +136,8 @@ def _is_cpu(name: str, info: host_facts.HostInfo) -> bool:
     return any(d.name == name and d.type == "cpu" for d in info.devices)
 
 
-def context_params(cfg: StageConfig, n_ctx: int, callback: object | None) -> llama_cpp.llama_context_params:
+def context_params(cfg: StageConfig, n_ctx: int, callback: object | None,
+                   user_data: int | None = None) -> llama_cpp.llama_context_params:
     params = llama_cpp.llama_context_default_params()
     set_fields(
         params,
@@ -158,7 +159,7 @@ def context_params(cfg: StageConfig, n_ctx: int, callback: object | None) -> lla
     if cfg.op_offload is not None:
         set_fields(params, op_offload=cfg.op_offload)
     if callback is not None:
-        set_fields(params, cb_eval=callback, cb_eval_user_data=None)
+        set_fields(params, cb_eval=callback, cb_eval_user_data=user_data)
     return params
 
 

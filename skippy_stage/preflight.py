@@ -16,6 +16,7 @@ import llama_cpp
 
 from skippy_stage import host as host_facts
 from skippy_stage import loader
+from skippy_stage.capture import native_library_path
 from skippy_stage.config import StageConfig, load_config
 
 # CPU flags worth a line in a bug report: they decide which kernels llama.cpp runs.
@@ -64,6 +65,9 @@ def info_report() -> dict[str, Any]:
     report = info.to_dict()
     report["cpu_flags"] = [f for f in NOTABLE_FLAGS if f in info.cpu_flags]
     report["loader_policy"] = loader_policy(info)
+    library = native_library_path()
+    report["hidden_state_capture"] = (f"native ({library.name})" if library is not None
+                                      else "python: the compiled capture is missing (reinstall with a C compiler)")
     return report
 
 
@@ -77,6 +81,7 @@ def format_info(report: dict[str, Any]) -> str:
         f"CPU flags         {' '.join(report['cpu_flags']) or '(none of note)'}",
         f"llama.cpp system  {report['system_info']}",
         f"AMX in use        {'yes' if report['amx'] else 'no'}",
+        f"capture           {report['hidden_state_capture']}",
         f"memory            {report['memory_available'] // mib} MiB available of {report['memory_total'] // mib} MiB",
         "devices",
     ]

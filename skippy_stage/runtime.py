@@ -31,6 +31,7 @@ import numpy as np
 import structlog
 
 from skippy_stage import host, llama_ffi, loader
+from skippy_stage.capture import Capture, make_capture
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure
 from skippy_stage.lanes import Admission, DropResult, LaneStats, LaneTable
@@ -162,14 +163,11 @@ class StageRuntime:
                 f"stage {config.stage_id}: stage file {path} has {self.n_layers} layers, "
                 f"config range {config.layer_start}:{config.layer_end} needs {config.n_layers}"
             )
-        self._target_name = f"l_out-{self.n_layers - 1}".encode()
-        self._capture_counts: list[int] = []
-        self._capture_rows = 0
-        self._capture_error: str | None = None
-        # Kept on self: llama.cpp calls it for as long as the context lives.
-        self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+        # Kept on self: llama.cpp calls its callback for as long as the context lives.
+        self._capture = None if config.include_output else make_capture(
+            f"l_out-{self.n_layers - 1}", self.n_embd, config.n_batch)
         self.context_size = self._context_size()
-        self._ctx = self._new_context(None if config.include_output else self._eval_cb)
+        self._ctx = self._new_context(self._capture)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.cells_per_lane = int(llama_cpp.llama_n_ctx_seq(self._ctx))
@@ -235,10 +233,11 @@ class StageRuntime:
     def _context_size(self) -> loader.ContextSize:
         return resolve_context_size(self.config, read_model_info(self.load_path), range(self.n_layers))
 
-    def _new_context(self, callback: object | None) -> llama_cpp.llama_context_p:
+    def _new_context(self, capture: Capture | None) -> llama_cpp.llama_context_p:
         cfg = self.config
         n_ctx = self.context_size.n_ctx
-        self.context_params = loader.context_params(cfg, n_ctx, callback)
+        self.context_params = loader.context_params(
+            cfg, n_ctx, None if capture is None else capture.callback, None if capture is None else capture.user_data)
         ctx = llama_cpp.llama_init_from_model(self._model, self.context_params)
         if not ctx:
             raise RuntimeFailure(
@@ -258,7 +257,6 @@ class StageRuntime:
         self._out = np.zeros(n, dtype=np.int8)
         self._tokens = np.zeros(n, dtype=np.int32) if cfg.include_embeddings else None
         self._embd = None if cfg.include_embeddings else np.zeros((n, self.n_embd), dtype=np.float32)
-        self._captured = np.zeros((n, self.n_embd), dtype=np.float32)
         b = llama_cpp.llama_batch()
         b.n_tokens = 0
         i32p, f32p = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
@@ -269,28 +267,6 @@ class StageRuntime:
         b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
         b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
-
-    # -- the eval callback (called by llama.cpp during llama_decode) ------------------
-
-    def _on_eval(self, tensor: int, ask: bool, _user: int) -> bool:
-        if ask:
-            return llama_ffi.ggml_get_name(tensor) == self._target_name
-        try:
-            ggml_type, width, rows = llama_ffi.tensor_shape(tensor)
-            if ggml_type != llama_ffi.GGML_TYPE_F32 or width != self.n_embd:
-                self._capture_error = f"boundary tensor has type {ggml_type} and width {width}"
-                return False
-            start = self._capture_rows
-            if start + rows > self._captured.shape[0]:
-                self._capture_error = f"boundary tensor has {start + rows} rows, buffer holds {self._captured.shape[0]}"
-                return False
-            dst = self._captured[start : start + rows]
-            llama_ffi.ggml_backend_tensor_get(tensor, dst.ctypes.data, 0, llama_ffi.ggml_nbytes(tensor))
-            self._capture_rows += rows
-            self._capture_counts.append(rows)
-        except Exception as exc:  # noqa: BLE001 - an exception must not unwind through C frames
-            self._capture_error = repr(exc)
-        return False  # stop the graph: nothing after the boundary is needed here
 
     # -- validation (pure: no llama.cpp, no lane state) ------------------------------
 
@@ -399,7 +375,8 @@ class StageRuntime:
             spans[i] = (offset, end)
             offset = end
         self._batch.n_tokens = offset
-        self._capture_rows, self._capture_counts, self._capture_error = 0, [], None
+        if self._capture is not None:
+            self._capture.reset()
 
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc == 1:
@@ -413,13 +390,14 @@ class StageRuntime:
     def _inner_results(self, checked: list[_Checked], spans: dict[int, tuple[int, int]], total: int) -> list[EntryResult]:
         ubatches = compute_order(self._seq[:total].tolist(), self.config.n_ubatch, equal_split=self._equal_split)
         predicted = [len(u) for u in ubatches]
-        if self._capture_error is not None or predicted != self._capture_counts:
+        capture = self._capture
+        if capture.error is not None or predicted != capture.counts:
             raise RuntimeFailure(
                 f"hidden-state capture disagrees with the predicted micro-batches "
-                f"(predicted rows {predicted}, captured {self._capture_counts}, error {self._capture_error})"
+                f"(predicted rows {predicted}, captured {capture.counts}, error {capture.error})"
             )
         in_batch_order = np.empty((total, self.n_embd), dtype=np.float32)
-        in_batch_order[np.concatenate([np.asarray(u, dtype=np.int64) for u in ubatches])] = self._captured[:total]
+        in_batch_order[np.concatenate([np.asarray(u, dtype=np.int64) for u in ubatches])] = capture.buffer[:total]
         return [
             EntryResult(c.entry.session_id, hidden=in_batch_order[spans[i][0] : spans[i][1]])
             for i, c in enumerate(checked)

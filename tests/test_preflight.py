@@ -96,6 +96,7 @@ def test_info_json_has_what_a_bug_report_needs():
     policy = report["loader_policy"]
     assert policy["repack"]["default"] is False
     assert policy["repack"]["true_allowed"] is (not report["amx"])
+    assert report["hidden_state_capture"].startswith("native")
 
 
 def test_info_prints_a_readable_summary():
