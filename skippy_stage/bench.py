@@ -259,8 +259,9 @@ def hop_overheads_us(before: list[dict], after: list[dict]) -> list[float]:
     ]
 
 
-def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float]]:
-    """Single-stream ms/token, and each stage's CPU ms per token over the same run.
+def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float], list[float]]:
+    """Single-stream ms/token, each stage's CPU ms per token over the same run, the hop
+    overheads from the stages' histograms, and each stage's compute ms per batch.
 
     A stage computes about a third of the model per token; CPU far above that means its
     threads spin while it waits, stealing cores from the stage that has work.
@@ -274,7 +275,11 @@ def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float]]:
     after = [_cpu_seconds(pid) for pid in pids]
     n = figures["completion_tokens"]
     cpu = [(a - b) / n * 1e3 for a, b in zip(after, before)]
-    return 1e3 / figures["tokens_per_s"], cpu, hop_overheads_us(hist_before, hist_after)
+    compute = []
+    for b, a in zip(hist_before, hist_after):
+        (s1, c1), (s0, c0) = a["compute"], b["compute"]
+        compute.append((s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else 0.0)
+    return 1e3 / figures["tokens_per_s"], cpu, hop_overheads_us(hist_before, hist_after), compute
 
 
 def _aggregate(pipeline: _Pipeline, concurrency: int) -> float:
@@ -332,10 +337,12 @@ def run(json_path: str | None = None) -> dict[str, object]:
         pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp), cache_dir, transport="unary",
                              return_path="relay")
         try:
-            unary_ms, _, unary_hops = _decode_ms(pipeline)
+            unary_ms, _, unary_hops, _ = _decode_ms(pipeline)
         finally:
             pipeline.stop()
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
+        report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
+                                        "tcp_socket": report["hop_floor_us"]["tcp_socket_round_trip_us"]}
         report["transport_comparison_3_stage"] = {
             "stream": {"ms_per_token": report["return_path_comparison_3_stage"]["relay_ms_per_token"],
                        "per_hop_overhead_us": sum(hops["3"]) / len(hops["3"])},
@@ -343,11 +350,20 @@ def run(json_path: str | None = None) -> dict[str, object]:
         }
         report["pipeline_ms_per_token"] = pipelines_ms
         report["stage_cpu_ms_per_token"] = stage_cpu
-        # Measured from each stage's own histograms: time waiting on the next stage minus the
-        # time that stage spent computing and waiting further down. Averaged over all hops.
+        # What a token pays per hop, as the client sees it: the 3-stage decode's excess over the
+        # single process, over the 3 legs a token travels (head -> 1 -> 2 -> head, direct return).
+        report["per_hop_overhead_us"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 3 * 1e3
+        # From each stage's own histograms: time waiting on the next stage minus the time that
+        # stage spent computing and waiting further down (relayed runs). Averaged over all hops.
         all_hops = [h for n in hops.values() for h in n]
-        report["per_hop_overhead_us"] = sum(all_hops) / len(all_hops)
+        report["per_hop_overhead_us_histograms"] = sum(all_hops) / len(all_hops)
         report["per_hop_overhead_us_by_hop"] = hops
+        # Split cost = hidden-state capture + compute inflation + hops: the stages' own compute
+        # per token, summed, next to the single process's whole ms/token.
+        report["stage_compute_ms_per_token"] = {n: sum(decode[n]["compute"]) for n in ("2", "3")}
+        report["stage_compute_ms_by_stage"] = {n: decode[n]["compute"] for n in ("2", "3")}
+        report["openmp_spincount"] = os.environ.get("GOMP_SPINCOUNT", "libgomp default")
+        report["hidden_state_capture"] = _capture_kind()
         # The whole cost of splitting, per extra stage, as seen by a client.
         report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 2 * 1e3
         report["aggregate_tokens_per_s"] = aggregate
@@ -389,7 +405,7 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) 
             pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path)
         single.ms_per_token()  # warm
         for _ in range(DECODE_ROUNDS):
-            runs["single"].append((single.ms_per_token(), [], []))
+            runs["single"].append((single.ms_per_token(), [], [], []))
             for name, pipeline in pipelines.items():
                 runs[name].append(_decode_ms(pipeline))
     finally:
@@ -401,9 +417,17 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) 
         ms = [v[0] for v in values]
         median = sorted(values, key=lambda v: v[0])[len(values) // 2]
         out[name] = {"ms": float(np.median(ms)), "runs": ms, "cpu": median[1],
+                     "compute": [float(c) for c in np.median(np.array([v[3] for v in values]), axis=0)]
+                     if name != "single" else [],
                      "hops": [float(h) for h in np.median(np.array([v[2] for v in values]), axis=0)]
                      if name != "single" else []}
     return out
+
+
+def _capture_kind() -> str:
+    from skippy_stage.capture import native_library_path
+
+    return "native" if native_library_path() is not None else "python"
 
 
 def _prefill_prompt(model: Path, cache_dir: str) -> str:
@@ -427,21 +451,21 @@ def format_table(report: dict[str, object]) -> str:
     lines = [
         f"{'measure':44} {'pipeline':>12} {'single':>12} {'ratio':>8} {'target':>8}",
         f"{'decode ms/token, 2 stages':44} {r['pipeline_ms_per_token']['2']:12.2f} "
-        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_2_stage']:8.2f} {'>=0.92':>8}",
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_2_stage']:8.2f} {'>=0.95':>8}",
         f"{'decode ms/token, 3 stages':44} {r['pipeline_ms_per_token']['3']:12.2f} "
-        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_3_stage']:8.2f} {'>=0.85':>8}",
-        f"{'per-hop overhead (us, from stage histograms)':44} {r['per_hop_overhead_us']:12.0f} {'':>12} {'':>8}"
-        f" {'<=300':>8}",
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_3_stage']:8.2f} {'>=0.90':>8}",
+        f"{'per-hop overhead (us, 3-stage excess / 3 legs)':44} {r['per_hop_overhead_us']:12.0f}",
+        f"{'per-hop overhead (us, from stage histograms)':44} {r['per_hop_overhead_us_histograms']:12.0f}",
     ]
     for c in ("1", "4", "8"):
         lines.append(f"{'aggregate tok/s, concurrency ' + c:44} {agg['pipeline'][c]:12.1f} "
                      f"{agg['single_process'][c]:12.1f} {agg['pipeline'][c] / agg['single_process'][c]:8.2f}"
-                     f" {'>=0.8' if c == '8' else '':>8}")
+                     f" {'>=0.85' if c == '8' else '':>8}")
     lines.append(f"{'split cost per extra stage (us, client view)':44} {r['split_cost_us_per_extra_stage']:12.0f}")
     lines.append(f"{'aggregate 8 vs pipeline 1':44} {'':>12} {'':>12} {ratios['aggregate_8_vs_pipeline_1']:8.2f} {'>=1.5':>8}")
     p = r["prefill_tokens_per_s"]
     lines.append(f"{'prefill tok/s, 512-token prompt':44} {p['pipeline']:12.1f} {p['single_process']:12.1f} "
-                 f"{ratios['prefill_512']:8.2f} {'>=0.9':>8}")
+                 f"{ratios['prefill_512']:8.2f} {'>=0.95':>8}")
     for transport, t in r["transport_comparison_3_stage"].items():
         lines.append(f"3 stages over {transport:6} (relayed): {t['ms_per_token']:.2f} ms/token, "
                      f"per-hop overhead {t['per_hop_overhead_us']:.0f} us")
@@ -453,5 +477,10 @@ def format_table(report: dict[str, object]) -> str:
                  f"{floor['grpc_stream_round_trip_us']:.0f} us, bare TCP socket {floor['tcp_socket_round_trip_us']:.0f} us")
     for n, cpu in r["stage_cpu_ms_per_token"].items():
         lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
+    for n, by_stage in r["stage_compute_ms_by_stage"].items():
+        lines.append(f"compute ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in by_stage)
+                     + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "
+                       f"{r['single_process_ms_per_token']:.2f} in all)")
+    lines.append(f"OpenMP spin count {r['openmp_spincount']}; hidden-state capture {r['hidden_state_capture']}")
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
     return "\n".join(lines)

@@ -23,8 +23,14 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert set(report["aggregate_tokens_per_s"]["single_process"]) == {"1", "4", "8"}
     assert set(report["prefill_tokens_per_s"]) == {"pipeline", "single_process"}
     assert report["wire_bytes_per_token"] == {"f32": 2304, "f16": 1152, "bf16": 1152, "int8": 580}
-    for key in ("single_process_ms_per_token", "per_hop_overhead_us", "ratios", "stage_cpu_ms_per_token"):
+    for key in ("single_process_ms_per_token", "per_hop_overhead_us", "ratios", "stage_cpu_ms_per_token",
+                "per_hop_overhead_us_histograms", "openmp_spincount"):
         assert key in report
+    # Split cost = capture + compute inflation + hops, readable off the report.
+    assert set(report["stage_compute_ms_per_token"]) == {"2", "3"}
+    assert all(v > 0 for v in report["stage_compute_ms_per_token"].values())
+    assert set(report["transport_floor_us"]) == {"grpc_stream", "tcp_socket"}
+    assert report["hidden_state_capture"] == "native"
     assert all(v > 0 for v in report["pipeline_ms_per_token"].values())
     assert "decode ms/token, 3 stages" in run.stdout
     # Both ways back to the head, measured side by side; and the hop's floor with no stage work.
