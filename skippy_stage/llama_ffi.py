@@ -37,53 +37,28 @@ def _same_library_as_libllama(name: str) -> ctypes.CDLL:
     raise OSError(f"{name}.so not found in {_lib_dir}")
 
 
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype: object) -> ctypes._CFuncPtr:
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+_VOIDP, _SIZE = ctypes.c_void_p, ctypes.c_size_t
 _ggml_base = _same_library_as_libllama("libggml-base")
-
-ggml_get_name = _ggml_base.ggml_get_name
-ggml_get_name.argtypes = [ctypes.c_void_p]
-ggml_get_name.restype = ctypes.c_char_p
-
-ggml_nbytes = _ggml_base.ggml_nbytes
-ggml_nbytes.argtypes = [ctypes.c_void_p]
-ggml_nbytes.restype = ctypes.c_size_t
-
-ggml_backend_tensor_get = _ggml_base.ggml_backend_tensor_get
-ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-ggml_backend_tensor_get.restype = None
-
-ggml_backend_dev_name = _ggml_base.ggml_backend_dev_name
-ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-ggml_backend_dev_name.restype = ctypes.c_char_p
-
-ggml_backend_dev_description = _ggml_base.ggml_backend_dev_description
-ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-ggml_backend_dev_description.restype = ctypes.c_char_p
-
-ggml_backend_dev_type = _ggml_base.ggml_backend_dev_type
-ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-ggml_backend_dev_type.restype = ctypes.c_int
-
-ggml_backend_dev_memory = _ggml_base.ggml_backend_dev_memory
-ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
-ggml_backend_dev_memory.restype = None
+ggml_get_name = _bind(_ggml_base, "ggml_get_name", [_VOIDP], ctypes.c_char_p)
+ggml_nbytes = _bind(_ggml_base, "ggml_nbytes", [_VOIDP], _SIZE)
+ggml_backend_tensor_get = _bind(_ggml_base, "ggml_backend_tensor_get", [_VOIDP, _VOIDP, _SIZE, _SIZE], None)
+ggml_backend_dev_name = _bind(_ggml_base, "ggml_backend_dev_name", [_VOIDP], ctypes.c_char_p)
+ggml_backend_dev_description = _bind(_ggml_base, "ggml_backend_dev_description", [_VOIDP], ctypes.c_char_p)
+ggml_backend_dev_type = _bind(_ggml_base, "ggml_backend_dev_type", [_VOIDP], ctypes.c_int)
+ggml_backend_dev_memory = _bind(_ggml_base, "ggml_backend_dev_memory",
+                                [_VOIDP, ctypes.POINTER(_SIZE), ctypes.POINTER(_SIZE)], None)
 
 _ggml = _same_library_as_libllama("libggml")
-
-ggml_backend_reg_count = _ggml.ggml_backend_reg_count
-ggml_backend_reg_count.argtypes = []
-ggml_backend_reg_count.restype = ctypes.c_size_t
-
-ggml_backend_dev_count = _ggml.ggml_backend_dev_count
-ggml_backend_dev_count.argtypes = []
-ggml_backend_dev_count.restype = ctypes.c_size_t
-
-ggml_backend_dev_get = _ggml.ggml_backend_dev_get
-ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-ggml_backend_dev_get.restype = ctypes.c_void_p
-
-ggml_backend_load_all_from_path = _ggml.ggml_backend_load_all_from_path
-ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-ggml_backend_load_all_from_path.restype = None
+ggml_backend_reg_count = _bind(_ggml, "ggml_backend_reg_count", [], _SIZE)
+ggml_backend_dev_count = _bind(_ggml, "ggml_backend_dev_count", [], _SIZE)
+ggml_backend_dev_get = _bind(_ggml, "ggml_backend_dev_get", [_SIZE], _VOIDP)
+ggml_backend_load_all_from_path = _bind(_ggml, "ggml_backend_load_all_from_path", [ctypes.c_char_p], None)
 
 # enum ggml_backend_dev_type
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}

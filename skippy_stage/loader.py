@@ -167,6 +167,7 @@ def context_params(cfg: StageConfig, n_ctx: int, callback: object | None,
 class ContextSize:
     n_ctx: int
     reason: str
+    capped: bool = False  # smaller than the model's training context because of host memory
 
 
 def kv_bytes_per_token(info: ModelInfo, layers: range, cache_type_k: str, cache_type_v: str) -> int:
@@ -203,6 +204,7 @@ def auto_context_size(n_ctx_train: int, per_token: int, available: int) -> Conte
         fits,
         f"{origin} is {want} tokens, capped to {fits} so the KV cache ({fits * per_token >> 20} MiB) stays within "
         f"{AUTO_CTX_MEMORY_SHARE:.0%} of the {available >> 20} MiB available; set ctx_size to choose",
+        capped=True,
     )
 
 

@@ -15,9 +15,9 @@ What a stage costs, in bytes (the same tensors :mod:`skippy_stage.slicing` puts 
 - a stated fixed overhead per node (runtime, compute buffers, Python), 512 MiB by default.
 
 Context is counted **per lane**: ``--ctx-size 4096 --lanes 8`` means every session may hold
-4096 tokens. llama.cpp splits a context's cells equally among its sequences (lanes) when
-``kv_unified`` is off, so the stage config gets ``ctx_size = 4096 x 8`` cells and the KV
-cache grows linearly with both numbers. Every layer is charged the full cache, an upper
+4096 tokens at once, so the stage config gets ``ctx_size = 4096 x 8`` cells and the KV cache
+grows linearly with both numbers. With ``kv_unified`` (the stage default) the lanes share that
+pool, so one session may also use more than its share while others are idle. Every layer is charged the full cache, an upper
 bound for sliding-window layers.
 
 Layer ranges are contiguous and follow the node order (node 0 is the head). The split

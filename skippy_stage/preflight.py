@@ -80,7 +80,7 @@ def format_info(report: dict[str, Any]) -> str:
         f"CPU               {report['cpu_model']}",
         f"CPU flags         {' '.join(report['cpu_flags']) or '(none of note)'}",
         f"llama.cpp system  {report['system_info']}",
-        f"AMX in use        {'yes' if report['amx'] else 'no'}",
+        f"AMX_INT8          {'yes (its repacked kernels are not used: repack stays off)' if report['amx'] else 'no'}",
         f"capture           {report['hidden_state_capture']}",
         f"memory            {report['memory_available'] // mib} MiB available of {report['memory_total'] // mib} MiB",
         "devices",

@@ -167,6 +167,8 @@ class StageRuntime:
         self._capture = None if config.include_output else make_capture(
             f"l_out-{self.n_layers - 1}", self.n_embd, config.n_batch)
         self.context_size = self._context_size()
+        if self.context_size.capped:
+            self.log.warning("context capped by host memory", reason=self.context_size.reason)
         self._ctx = self._new_context(self._capture)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))

@@ -216,12 +216,12 @@ def test_the_unsplit_reference_loads_as_the_stages_do(smollm2):
 
 def test_unset_ctx_size_is_the_models_training_context_when_memory_allows():
     size = loader.auto_context_size(8192, per_token=23_040, available=16 << 30)
-    assert size.n_ctx == 8192 and "training context" in size.reason
+    assert size.n_ctx == 8192 and "training context" in size.reason and not size.capped
 
 
 def test_unset_ctx_size_is_capped_by_host_memory_and_says_so():
     size = loader.auto_context_size(131_072, per_token=1 << 20, available=8 << 30)  # 1 MiB a token
-    assert size.n_ctx == 4096 and size.n_ctx % loader.AUTO_CTX_STEP == 0
+    assert size.n_ctx == 4096 and size.n_ctx % loader.AUTO_CTX_STEP == 0 and size.capped
     assert "capped" in size.reason and "131072" in size.reason and "ctx_size" in size.reason
 
 
