@@ -26,18 +26,13 @@ import structlog
 from skippy_stage import host as host_facts
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError
+from skippy_stage.planner import CACHE_TYPE_BYTES
 from skippy_stage.slicing import ModelInfo
 
 log = structlog.get_logger("skippy_stage.loader")
 
 CACHE_TYPE_IDS = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
-}
-# Bytes per element of each KV cache type (block formats: block bytes / 32 elements).
-CACHE_TYPE_BYTES: dict[str, Fraction] = {
-    "f32": Fraction(4), "f16": Fraction(2), "bf16": Fraction(2), "q8_0": Fraction(34, 32),
-    "q4_0": Fraction(18, 32), "q4_1": Fraction(20, 32), "iq4_nl": Fraction(18, 32),
-    "q5_0": Fraction(22, 32), "q5_1": Fraction(24, 32),
 }
 FLASH_ATTN_IDS = {"auto": -1, "disabled": 0, "enabled": 1}
 SPLIT_MODE_IDS = {
