@@ -79,10 +79,6 @@ class Capture:
         raise NotImplementedError
 
     @property
-    def rows(self) -> int:
-        raise NotImplementedError
-
-    @property
     def counts(self) -> list[int]:
         raise NotImplementedError
 
@@ -129,10 +125,6 @@ class NativeCapture(Capture):
         self._state.n_counts, self._state.rows, self._state.error = 0, 0, 0
 
     @property
-    def rows(self) -> int:
-        return int(self._state.rows)
-
-    @property
     def counts(self) -> list[int]:
         return self._counts[: self._state.n_counts].tolist()
 
@@ -169,10 +161,6 @@ class PythonCapture(Capture):
         self._rows, self._counts, self._error = 0, [], None
 
     @property
-    def rows(self) -> int:
-        return self._rows
-
-    @property
     def counts(self) -> list[int]:
         return list(self._counts)
 
@@ -200,11 +188,10 @@ class PythonCapture(Capture):
         return False  # stop the graph: nothing after the boundary is needed here
 
 
-def make_capture(target: str, width: int, capacity_rows: int, *, prefer_native: bool = True) -> Capture:
-    library = native_library_path() if prefer_native else None
+def make_capture(target: str, width: int, capacity_rows: int) -> Capture:
+    library = native_library_path()
     if library is not None:
         return NativeCapture(target, width, capacity_rows, library)
-    if prefer_native:
-        log.warning("compiled capture missing: each graph node costs a Python call (reinstall skippy-stage "
-                    "with a C compiler to build skippy_stage/_capture)", looked_in=str(Path(__file__).parent))
+    log.warning("compiled capture missing: each graph node costs a Python call (reinstall skippy-stage "
+                "with a C compiler to build skippy_stage/_capture)", looked_in=str(Path(__file__).parent))
     return PythonCapture(target, width, capacity_rows)

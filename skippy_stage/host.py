@@ -93,15 +93,23 @@ def parse_features(system_info: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"([A-Za-z0-9_]+)\s*=\s*([^|\s]+)", system_info)}
 
 
-def devices() -> tuple[Device, ...]:
+def _registry() -> list[tuple[int, str]]:
+    """``(ggml_backend_dev_t, name)`` of every device llama.cpp's ggml has registered."""
     llama_ffi.init_backend()
     found = []
     for i in range(llama_ffi.ggml_backend_dev_count()):
         dev = llama_ffi.ggml_backend_dev_get(i)
+        found.append((dev, (llama_ffi.ggml_backend_dev_name(dev) or b"").decode()))
+    return found
+
+
+def devices() -> tuple[Device, ...]:
+    found = []
+    for dev, name in _registry():
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         llama_ffi.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         found.append(Device(
-            name=(llama_ffi.ggml_backend_dev_name(dev) or b"").decode(),
+            name=name,
             description=(llama_ffi.ggml_backend_dev_description(dev) or b"").decode(),
             type=llama_ffi.DEVICE_TYPES.get(llama_ffi.ggml_backend_dev_type(dev), "unknown"),
             memory_free=int(free.value),
@@ -112,12 +120,7 @@ def devices() -> tuple[Device, ...]:
 
 def device_handle(name: str) -> int | None:
     """The ``ggml_backend_dev_t`` of the device called ``name``, or None."""
-    llama_ffi.init_backend()
-    for i in range(llama_ffi.ggml_backend_dev_count()):
-        dev = llama_ffi.ggml_backend_dev_get(i)
-        if (llama_ffi.ggml_backend_dev_name(dev) or b"").decode() == name:
-            return dev
-    return None
+    return next((dev for dev, found in _registry() if found == name), None)
 
 
 def _version(package: str) -> str:

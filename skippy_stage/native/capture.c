@@ -51,9 +51,10 @@ struct skippy_capture {
     int64_t bad_width;
 };
 
-/* 0: counts rows only (a build check); the signature of ggml_backend_sched_eval_callback. */
+/* Checked by capture.py before use; bumped whenever struct skippy_capture changes. */
 int skippy_capture_abi_version(void) { return 1; }
 
+/* The signature of ggml_backend_sched_eval_callback. */
 bool skippy_capture_eval(void *tensor, bool ask, void *user_data) {
     struct skippy_capture *c = (struct skippy_capture *) user_data;
     if (ask) {
