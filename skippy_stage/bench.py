@@ -147,11 +147,13 @@ class _Echo(pb_grpc.StageServiceServicer):
             yield pb.HopReply(hop_id=hop.hop_id)
 
 
-def _echo_server(port: int, socket_port: int, ready) -> None:  # noqa: ANN001
+def _echo_server(port: int, socket_port: int, frame_port: int, ready) -> None:  # noqa: ANN001
     import socket
     from concurrent import futures
 
     import grpc
+
+    from skippy_stage import framing
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     servicer = _Echo()
@@ -159,6 +161,22 @@ def _echo_server(port: int, socket_port: int, ready) -> None:  # noqa: ANN001
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     listener = socket.create_server(("127.0.0.1", socket_port))
+    frames = socket.create_server(("127.0.0.1", frame_port))
+
+    def framed() -> None:
+        conn, _ = frames.accept()
+        framing.tune(conn)
+        link = framing.FrameSocket(conn, max_message_bytes=1 << 20)
+        link.receive()
+        link.send(framing.Kind.WELCOME, pb.FrameWelcome())
+        try:
+            while True:
+                kind, body = link.receive()
+                hop = framing.parse(kind, body, framing.Kind.HOP_REQUEST)
+                link.send(framing.Kind.HOP_REPLY, pb.HopReply(hop_id=hop.hop_id))
+        except framing.LinkClosed:
+            pass
+    threading.Thread(target=framed, daemon=True).start()
     ready.set()
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -168,55 +186,66 @@ def _echo_server(port: int, socket_port: int, ready) -> None:  # noqa: ANN001
     server.stop(0)
 
 
+def _round_trips_us(send, wait, rounds: int) -> float:  # noqa: ANN001
+    for i in range(rounds // 10):
+        send(i)
+        wait()
+    started = time.perf_counter()
+    for i in range(rounds):
+        send(i)
+        wait()
+    return (time.perf_counter() - started) / rounds * 1e6
+
+
 def hop_floor_us(rounds: int = 2000) -> dict[str, float]:
-    """Round trips of one f32 SmolLM2 frame (2304 bytes) to another process on loopback:
-    over the ActivationStream path this project uses (grpcio), and over a bare TCP socket.
-    Nothing runs a model: this is what a hop costs before any stage does anything."""
+    """Round trips of one f32 SmolLM2 frame (2304 bytes) to another process on loopback, with
+    nothing running a model: over the gRPC ActivationStream (this project's StreamHop), over
+    this project's TCP frame transport (``framing``: length-prefixed HopRequest/HopReply),
+    and over a bare TCP socket (the floor of any transport here)."""
     import multiprocessing
+    import queue as queue_mod
     import socket
 
     import grpc
 
-    from skippy_stage.downstream import _HopStream
+    from skippy_stage import framing
+    from skippy_stage.config import PeerConfig
+    from skippy_stage.hops import StreamHop
+    from skippy_stage.security import Credentials
 
-    port, socket_port = _free_ports("127.0.0.1", 2)
+    port, socket_port, frame_port = _free_ports("127.0.0.1", 3)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_echo_server, args=(port, socket_port, ready), daemon=True)
+    proc = ctx.Process(target=_echo_server, args=(port, socket_port, frame_port, ready), daemon=True)
     proc.start()
     try:
         if not ready.wait(60):
             raise RuntimeError("the echo server did not start")
         payload = b"\0" * wire.payload_size("f32", 1, 576)
+        request = pb.IterationBatchRequest(frame=pb.ActivationFrame(payload=payload))
+        replies: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stream = _HopStream(pb_grpc.StageServiceStub(channel), ())
-            request = pb.IterationBatchRequest(frame=pb.ActivationFrame(payload=payload))
-            for i in range(rounds // 10):
-                stream.send(pb.HopRequest(hop_id=i, request=request)).result(10)
-            started = time.perf_counter()
-            for i in range(rounds):
-                stream.send(pb.HopRequest(hop_id=rounds + i, request=request)).result(10)
-            grpc_us = (time.perf_counter() - started) / rounds * 1e6
-            stream.close()
+            hop = StreamHop(PeerConfig("echo", 1, f"127.0.0.1:{port}"), pb_grpc.StageServiceStub(channel), (),
+                            translate=lambda err: err, on_reply=replies.put, on_broken=lambda err: None)
+            grpc_us = _round_trips_us(lambda i: hop.send(pb.HopRequest(hop_id=i, request=request)),
+                                      lambda: replies.get(timeout=10), rounds)
+            hop.close()
+        link = framing.dial("127.0.0.1", frame_port, creds=Credentials(), purpose=pb.FrameHello.PURPOSE_HOP,
+                            stage_id="bench", max_message_bytes=1 << 20, timeout_s=10)
+        frame_us = _round_trips_us(lambda i: link.send(framing.Kind.HOP_REQUEST, pb.HopRequest(hop_id=i, request=request)),
+                                   link.receive, rounds)
+        link.close()
         sock = socket.create_connection(("127.0.0.1", socket_port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         frame = payload[:-1] + b"\n"
-
-        def round_trip() -> None:
-            sock.sendall(frame)
-            sock.recv(1)
-        for _ in range(rounds // 10):
-            round_trip()
-        started = time.perf_counter()
-        for _ in range(rounds):
-            round_trip()
-        socket_us = (time.perf_counter() - started) / rounds * 1e6
+        socket_us = _round_trips_us(lambda i: sock.sendall(frame), lambda: sock.recv(1), rounds)
         sock.close()
     finally:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    return {"grpc_stream_round_trip_us": grpc_us, "tcp_socket_round_trip_us": socket_us}
+    return {"grpc_stream_round_trip_us": grpc_us, "tcp_frame_round_trip_us": frame_us,
+            "tcp_socket_round_trip_us": socket_us}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -225,43 +254,81 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _histogram_sums(port: int) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the compute and forward-hop histograms of one stage."""
+def _scrape(port: int) -> dict[str, float]:
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     values = {}
     for line in text.splitlines():
-        name, _, number = line.partition(" ")
-        if name.endswith(("_sum", "_count")) and name.startswith(("skippy_compute_seconds", "skippy_forward_hop")):
+        if line.startswith("skippy_") and " " in line:
+            name, _, number = line.rpartition(" ")
             values[name] = float(number)
-    return {
+    return values
+
+
+_KINDS = ("compute", "forward_hop", "hop_latency")
+
+
+def _histogram_sums(port: int) -> dict[str, object]:
+    """(sum, count) of the compute, forward-hop and hop-latency histograms of one stage, and
+    the hop-latency bucket counts (for a median)."""
+    values = _scrape(port)
+    out: dict[str, object] = {
         kind: (values.get(f"skippy_{kind}_seconds_sum", 0.0), values.get(f"skippy_{kind}_seconds_count", 0.0))
-        for kind in ("compute", "forward_hop")
+        for kind in _KINDS
     }
+    prefix = 'skippy_hop_latency_seconds_bucket{le="'
+    out["hop_latency_buckets"] = sorted(
+        (float(name[len(prefix):-2]), count) for name, count in values.items() if name.startswith(prefix))
+    return out
+
+
+def _mean_delta(before: dict, after: dict, kind: str) -> float:
+    (s1, c1), (s0, c0) = after[kind], before[kind]
+    return (s1 - s0) / (c1 - c0) if c1 > c0 else 0.0
 
 
 def hop_overheads_us(before: list[dict], after: list[dict]) -> list[float]:
-    """Per hop k: time waiting on stage k+1 minus what stage k+1 itself spent (compute + its hop).
+    """What one leg costs, from the stages' own histograms: the head's wait for a step's
+    outputs minus what the stages below spent computing, over the legs a token travels
+    (one per stage: down every edge, then back to the head).
 
-    What is left is the hop's own cost: serialisation, the network stack, thread hand-offs
-    and scheduling, there and back.
+    What is left is the transport's own cost: serialisation, the network stack, thread
+    hand-offs and scheduling.
     """
-    def mean(i: int, kind: str) -> float:
-        (s1, c1), (s0, c0) = after[i][kind], before[i][kind]
-        return (s1 - s0) / (c1 - c0) if c1 > c0 else 0.0
-
     n = len(after)
-    return [
-        (mean(k, "forward_hop") - mean(k + 1, "compute") - (mean(k + 1, "forward_hop") if k + 2 < n else 0.0)) * 1e6
-        for k in range(n - 1)
-    ]
+    waited = _mean_delta(before[0], after[0], "forward_hop")
+    below = sum(_mean_delta(before[k], after[k], "compute") for k in range(1, n))
+    return [(waited - below) / n * 1e6]
 
 
-def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float], list[float]]:
+def hop_latency_median_us(before: list[dict], after: list[dict]) -> float:
+    """Median of "frame handed to the transport -> compute starts at the next stage" over every
+    stage below the head in one run, interpolated within the histogram's buckets."""
+    total: dict[float, float] = {}
+    for b, a in zip(before[1:], after[1:]):
+        for (le, c1), (_, c0) in zip(a["hop_latency_buckets"], b["hop_latency_buckets"]):
+            total[le] = total.get(le, 0.0) + c1 - c0
+    buckets = sorted(total.items())
+    if not buckets or buckets[-1][1] == 0:
+        return 0.0
+    half = buckets[-1][1] / 2
+    lower_le, lower_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= half:
+            if le == float("inf"):
+                return lower_le * 1e6
+            span = count - lower_count
+            return (lower_le + (le - lower_le) * ((half - lower_count) / span if span else 0.0)) * 1e6
+        lower_le, lower_count = le, count
+    return lower_le * 1e6
+
+
+def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float], list[float], float]:
     """Single-stream ms/token, each stage's CPU ms per token over the same run, the hop
-    overheads from the stages' histograms, and each stage's compute ms per batch.
+    overhead from the stages' histograms, each stage's compute ms per batch, and the median
+    hop latency (send -> compute starts at the next stage).
 
     A stage computes about a third of the model per token; CPU far above that means its
     threads spin while it waits, stealing cores from the stage that has work.
@@ -275,11 +342,9 @@ def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float], li
     after = [_cpu_seconds(pid) for pid in pids]
     n = figures["completion_tokens"]
     cpu = [(a - b) / n * 1e3 for a, b in zip(after, before)]
-    compute = []
-    for b, a in zip(hist_before, hist_after):
-        (s1, c1), (s0, c0) = a["compute"], b["compute"]
-        compute.append((s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else 0.0)
-    return 1e3 / figures["tokens_per_s"], cpu, hop_overheads_us(hist_before, hist_after), compute
+    compute = [_mean_delta(b, a, "compute") * 1e3 for b, a in zip(hist_before, hist_after)]
+    return (1e3 / figures["tokens_per_s"], cpu, hop_overheads_us(hist_before, hist_after), compute,
+            hop_latency_median_us(hist_before, hist_after))
 
 
 def _aggregate(pipeline: _Pipeline, concurrency: int) -> float:
@@ -315,10 +380,7 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["single_process_ms_per_token"] = decode["single"]["ms"]
         pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
         stage_cpu = {n: decode[n]["cpu"] for n in ("2", "3")}
-        # A stage's hop histogram is "send a frame, get its answer back from the next stage".
-        # With the direct return the head's answer skips stage 1, so the 3-stage hops are taken
-        # from the relayed runs; with 2 stages the next stage is the final one either way.
-        hops = {"2": decode["2"]["hops"], "3": decode["3-relay"]["hops"]}
+        hops = {"2": decode["2"]["hops"], "3": decode["3"]["hops"]}
         report["return_path_comparison_3_stage"] = {"relay_ms_per_token": decode["3-relay"]["ms"],
                                                     "direct_ms_per_token": decode["3"]["ms"]}
         report["decode_rounds"] = {name: d["runs"] for name, d in decode.items()}
@@ -333,28 +395,28 @@ def run(json_path: str | None = None) -> dict[str, object]:
             prefill["pipeline"] = PREFILL_TOKENS / figures["ttft_s"]
         finally:
             pipeline.stop()
-        # The same 3-stage decode (tokens relayed back) with one unary call per frame instead of the stream.
-        pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp), cache_dir, transport="unary",
-                             return_path="relay")
-        try:
-            unary_ms, _, unary_hops, _ = _decode_ms(pipeline)
-        finally:
-            pipeline.stop()
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
         report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
+                                        "tcp_frame": report["hop_floor_us"]["tcp_frame_round_trip_us"],
                                         "tcp_socket": report["hop_floor_us"]["tcp_socket_round_trip_us"]}
+        single_ms = decode["single"]["ms"]
         report["transport_comparison_3_stage"] = {
-            "stream": {"ms_per_token": report["return_path_comparison_3_stage"]["relay_ms_per_token"],
-                       "per_hop_overhead_us": sum(hops["3"]) / len(hops["3"])},
-            "unary": {"ms_per_token": unary_ms, "per_hop_overhead_us": sum(unary_hops) / len(unary_hops)},
+            transport: {"ms_per_token": decode[name]["ms"],
+                        "per_hop_overhead_us": (decode[name]["ms"] - single_ms) / 3 * 1e3,
+                        "hop_latency_us": decode[name]["hop_latency"]}
+            for transport, name in (("tcp", "3"), ("stream", "3-stream"))
         }
+        report["hop_transport_default"] = StageConfig.__dataclass_fields__["hop_transport"].default
+        # Median "frame handed to the transport -> compute starts at the next stage", from the
+        # stages' own histograms, over the default 3-stage pipeline's decode runs.
+        report["hop_latency_us"] = decode["3"]["hop_latency"]
         report["pipeline_ms_per_token"] = pipelines_ms
         report["stage_cpu_ms_per_token"] = stage_cpu
         # What a token pays per hop, as the client sees it: the 3-stage decode's excess over the
         # single process, over the 3 legs a token travels (head -> 1 -> 2 -> head, direct return).
         report["per_hop_overhead_us"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 3 * 1e3
-        # From each stage's own histograms: time waiting on the next stage minus the time that
-        # stage spent computing and waiting further down (relayed runs). Averaged over all hops.
+        # From the stages' own histograms: the head's wait for a step's outputs minus the compute
+        # of the stages below, per leg (2 and 3 stages averaged).
         all_hops = [h for n in hops.values() for h in n]
         report["per_hop_overhead_us_histograms"] = sum(all_hops) / len(all_hops)
         report["per_hop_overhead_us_by_hop"] = hops
@@ -391,21 +453,23 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) 
     Everything is loaded at once (an idle stage costs ~1 % of a core) and each round runs
     each contender once, so a slow moment of a noisy machine hits all of them alike; the
     figures are the medians over the rounds. Contenders: the single process, 2 and 3
-    stages (tokens straight back to the head, the default), 3 stages relayed.
+    stages (the defaults: TCP frames, tokens straight back to the head), 3 stages with the
+    tokens relayed back up the edges, 3 stages over the gRPC stream.
     """
-    contenders = {"2": ([(0, 15), (15, 30)], "direct"), "3": ([(0, 10), (10, 20), (20, 30)], "direct"),
-                  "3-relay": ([(0, 10), (10, 20), (20, 30)], "relay")}
+    three = [(0, 10), (10, 20), (20, 30)]
+    contenders = {"2": ([(0, 15), (15, 30)], "direct", "tcp"), "3": (three, "direct", "tcp"),
+                  "3-relay": (three, "relay", "tcp"), "3-stream": (three, "direct", "stream")}
     pipelines: dict[str, _Pipeline] = {}
     single = SingleDecoder(model, cores)
     runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
     try:
-        for name, (ranges, return_path) in contenders.items():
+        for name, (ranges, return_path, transport) in contenders.items():
             sub = workdir / f"decode-{name}"
             sub.mkdir()
-            pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path)
+            pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport)
         single.ms_per_token()  # warm
         for _ in range(DECODE_ROUNDS):
-            runs["single"].append((single.ms_per_token(), [], [], []))
+            runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
             for name, pipeline in pipelines.items():
                 runs[name].append(_decode_ms(pipeline))
     finally:
@@ -420,7 +484,8 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) 
                      "compute": [float(c) for c in np.median(np.array([v[3] for v in values]), axis=0)]
                      if name != "single" else [],
                      "hops": [float(h) for h in np.median(np.array([v[2] for v in values]), axis=0)]
-                     if name != "single" else []}
+                     if name != "single" else [],
+                     "hop_latency": float(np.median([v[4] for v in values]))}
     return out
 
 
@@ -466,15 +531,19 @@ def format_table(report: dict[str, object]) -> str:
     p = r["prefill_tokens_per_s"]
     lines.append(f"{'prefill tok/s, 512-token prompt':44} {p['pipeline']:12.1f} {p['single_process']:12.1f} "
                  f"{ratios['prefill_512']:8.2f} {'>=0.95':>8}")
+    lines.append(f"{'hop latency (us, send -> next stage computes)':44} {r['hop_latency_us']:12.0f} "
+                 f"{'':>12} {'':>8} {'<=200':>8}")
     for transport, t in r["transport_comparison_3_stage"].items():
-        lines.append(f"3 stages over {transport:6} (relayed): {t['ms_per_token']:.2f} ms/token, "
-                     f"per-hop overhead {t['per_hop_overhead_us']:.0f} us")
+        default = " (default)" if transport == r["hop_transport_default"] else ""
+        lines.append(f"3 stages over {transport:6}: {t['ms_per_token']:.2f} ms/token, per-hop overhead "
+                     f"{t['per_hop_overhead_us']:.0f} us, hop latency {t['hop_latency_us']:.0f} us{default}")
     rp = r["return_path_comparison_3_stage"]
     lines.append(f"3 stages, tokens relayed back: {rp['relay_ms_per_token']:.2f} ms/token; "
                  f"straight to the head: {rp['direct_ms_per_token']:.2f} ms/token (medians, interleaved runs)")
     floor = r["hop_floor_us"]
     lines.append(f"hop floor, 2304-byte frame to another process and back: grpcio stream "
-                 f"{floor['grpc_stream_round_trip_us']:.0f} us, bare TCP socket {floor['tcp_socket_round_trip_us']:.0f} us")
+                 f"{floor['grpc_stream_round_trip_us']:.0f} us, TCP frames {floor['tcp_frame_round_trip_us']:.0f} us, "
+                 f"bare TCP socket {floor['tcp_socket_round_trip_us']:.0f} us")
     for n, cpu in r["stage_cpu_ms_per_token"].items():
         lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
     for n, by_stage in r["stage_compute_ms_by_stage"].items():

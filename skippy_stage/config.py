@@ -23,6 +23,7 @@ LOAD_MODES = ("runtime-slice", "artifact-slice", "layer-package")
 # The seed's split modes; "auto" leaves llama.cpp's default (layer).
 SPLIT_MODES = ("auto", "none", "layer", "row", "tensor")
 WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
+HOP_TRANSPORTS = ("tcp", "stream")
 # llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences (lanes) than this.
 MAX_LANES = 256
 
@@ -141,14 +142,17 @@ class StageConfig:
     # while the downstream does not answer (the head then re-prefills its sessions).
     downstream_alternates: tuple[PeerConfig, ...] = ()
     # Final stage only: the head (stage_index 0), to which this stage sends each batch's
-    # sampled tokens straight back as well as relaying them up through every stage; the
-    # head takes whichever arrives first. Unset: relay only.
+    # sampled tokens straight back. Unset: they travel back up the edges (one leg per stage).
     return_to: PeerConfig | None = None
     cache_dir: str | None = None
     wire_dtype: str = "f32"
-    # How frames travel to the downstream: one long-lived bidirectional stream, or one
-    # unary call per frame.
-    hop_transport: str = "stream"
+    # How frames travel on this stage's edges (both ends of an edge must agree): "tcp", a
+    # length-prefixed connection to the neighbour's frame listener (the default: bench measures
+    # it far below the gRPC stream's floor), or "stream", the gRPC ActivationStream.
+    hop_transport: str = "tcp"
+    # The TCP frame listener's port on bind_addr's host (hop_transport "tcp"); unset: any free
+    # port, which the stage advertises in GetStatus (fix it where a firewall or Service must know).
+    frame_port: int | None = None
     # Largest gRPC message this stage sends or accepts; larger ones get RESOURCE_EXHAUSTED.
     max_message_bytes: int = 64 * 1024 * 1024
     # Head scheduler: batches in flight at once (disjoint session groups), the admission
@@ -400,7 +404,7 @@ def _validate(cfg: StageConfig) -> None:
     _require_int(cfg, "n_threads_batch", 1, optional=True)
     _require_int(cfg, "max_message_bytes", 1024)
     _require_int(cfg, "max_inflight", 1)
-    for name in ("metrics_port", "http_port"):
+    for name in ("metrics_port", "http_port", "frame_port"):
         _require_int(cfg, name, 0, optional=True)
         if getattr(cfg, name) is not None and getattr(cfg, name) > 65535:
             raise _fail(cfg, name, getattr(cfg, name), "must be a TCP port (0..65535)")
@@ -454,7 +458,11 @@ def _validate(cfg: StageConfig) -> None:
         raise _fail(cfg, "selected_device", cfg.selected_device, "must name a backend device (skippy-stage info lists them)")
     _require_str(cfg, "cache_dir", optional=True)
     _require_str(cfg, "wire_dtype", choices=WIRE_DTYPES)
-    _require_str(cfg, "hop_transport", choices=("stream", "unary"))
+    if cfg.hop_transport == "unary":
+        raise _fail(cfg, "hop_transport", cfg.hop_transport,
+                    "is no longer a frame transport (frames flow one way; a unary call waits for its answer): "
+                    "use 'tcp' or 'stream'")
+    _require_str(cfg, "hop_transport", choices=HOP_TRANSPORTS)
     for name in ("tls_cert_path", "tls_key_path", "tls_ca_path", "auth_token_path"):
         _require_str(cfg, name, optional=True)
     if (cfg.tls_cert_path is None) != (cfg.tls_key_path is None):

@@ -1,24 +1,23 @@
-"""The client side of one hop: this stage's long-lived channel to the stage below it.
+"""The client side of one edge: this stage's channel to the stage below it.
 
-Every call carries a deadline (the caller's remaining time, capped by the hop timeout),
-and every failure becomes a DownstreamError that names the stage which failed: the one
-below us, or a deeper one that it named in its own error (trailing metadata
-``skippy-failed-stage``). gRPC errors are translated here and nowhere else.
+Two planes. Frames go through a :class:`~skippy_stage.hops.Hop` of the configured
+transport (``hop_transport``), one way, never waited for. Control calls — health, status,
+DropSession — go over gRPC, each with a deadline (the caller's remaining time, capped by
+the hop timeout). Every failure becomes a DownstreamError naming the stage which failed:
+the one below us, or a deeper one that it named in its own error (trailing metadata
+``skippy-failed-stage``, or ``HopReply.failed_stage``). gRPC errors are translated here.
 """
 
 from __future__ import annotations
 
-import itertools
-import queue
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from skippy_stage import hops
 from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError
 from skippy_stage.security import Credentials
@@ -62,76 +61,9 @@ class HealthProbe:
 _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class _HopStream:
-    """One long-lived ActivationStream to the downstream; frames are matched by hop_id.
-
-    A reader thread resolves each frame's future as its reply arrives; when the stream
-    breaks, every pending frame fails with UNAVAILABLE naming the downstream, and the next
-    frame opens a new stream.
-    """
-
-    def __init__(self, stub: pb_grpc.StageServiceStub, metadata) -> None:  # noqa: ANN001
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, Future] = {}
-        self._lock = threading.Lock()
-        self._broken: grpc.RpcError | None = None
-        self._call = stub.ActivationStream(self._requests(), metadata=metadata)
-        self._reader = threading.Thread(target=self._read, name="hop-stream-reader", daemon=True)
-        self._reader.start()
-
-    def _requests(self):  # noqa: ANN202
-        while True:
-            item = self._outbox.get()
-            if item is None:
-                return
-            yield item
-
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                with self._lock:
-                    future = self._pending.pop(reply.hop_id, None)
-                if future is not None:
-                    future.set_result(reply)
-            error = None
-        except grpc.RpcError as err:
-            error = err
-        with self._lock:
-            self._broken = error or _StreamClosed()
-            pending, self._pending = self._pending, {}
-        for future in pending.values():
-            future.set_exception(self._broken)
-
-    @property
-    def broken(self) -> bool:
-        return self._broken is not None
-
-    def send(self, hop: pb.HopRequest) -> Future:
-        future: Future = Future()
-        with self._lock:
-            if self._broken is not None:
-                future.set_exception(self._broken)
-                return future
-            self._pending[hop.hop_id] = future
-        self._outbox.put(hop)
-        return future
-
-    def forget(self, hop_id: int) -> None:
-        with self._lock:
-            self._pending.pop(hop_id, None)
-
-    def close(self) -> None:
-        self._outbox.put(None)
-        self._call.cancel()
-
-
 class HopFuture(Future):
-    """A frame's answer: an IterationBatchResponse, or a DownstreamError. The first settle wins
-    (the head settles it from either the relayed answer or the final stage's direct return)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cancel_hop: Callable[[], object] = lambda: None
+    """A step's outputs: an IterationBatchResponse, or a DownstreamError. The first settle wins
+    (the final stage's direct return, a relayed copy, or an error from the back channel)."""
 
     def settle(self, *, result: pb.IterationBatchResponse | None = None,
                error: BaseException | None = None) -> bool:
@@ -146,22 +78,12 @@ class HopFuture(Future):
         return True
 
 
-class _StreamClosed(grpc.RpcError):
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "activation stream closed"
-
-    def trailing_metadata(self) -> tuple:
-        return ()
-
-
 class DownstreamClient:
-    """One channel to the next stage, shared by every request thread."""
+    """One channel to the next stage, shared by every request thread, and its frame hop."""
 
-    def __init__(self, peer: PeerConfig, *, max_message_bytes: int, hop_timeout_s: float,
-                 transport: str = "stream", credentials: Credentials | None = None) -> None:
+    def __init__(self, peer: PeerConfig, *, max_message_bytes: int, hop_timeout_s: float, connect_timeout_s: float,
+                 transport: str, stage_id: str, on_reply: hops.OnReply, on_broken: hops.OnBroken,
+                 credentials: Credentials | None = None) -> None:
         self.peer = peer
         self.hop_timeout_s = hop_timeout_s
         self.transport = transport
@@ -172,8 +94,14 @@ class DownstreamClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._closed = False
-        self._stream: _HopStream | None = None
-        self._hop_ids = itertools.count(1)
+        self.hop: hops.Hop
+        if transport == "tcp":
+            self.hop = hops.TcpHop(peer, port=lambda: self.frame_port(connect_timeout_s), credentials=creds,
+                                   stage_id=stage_id, max_message_bytes=max_message_bytes,
+                                   connect_timeout_s=connect_timeout_s, on_reply=on_reply, on_broken=on_broken)
+        else:
+            self.hop = hops.StreamHop(peer, self._stub, self._metadata, translate=self._translate,
+                                      on_reply=on_reply, on_broken=on_broken)
 
     def timeout_for(self, remaining: float | None) -> float:
         return self.hop_timeout_s if remaining is None else max(0.001, min(remaining, self.hop_timeout_s))
@@ -182,7 +110,7 @@ class DownstreamClient:
         code = err.code()
         details = err.details() or ""
         failed = None
-        for key, value in err.trailing_metadata() or ():
+        for key, value in getattr(err, "trailing_metadata", lambda: ())() or ():
             if key == FAILED_STAGE_KEY:
                 failed = value
         if failed is not None:
@@ -196,70 +124,21 @@ class DownstreamClient:
             code_name="DEADLINE_EXCEEDED" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "UNAVAILABLE",
         )
 
-    def forward(self, request: pb.IterationBatchRequest, remaining: float | None) -> pb.IterationBatchResponse:
-        """Send one frame and wait for its answer (relayed from the final stage)."""
-        return self.wait(self.submit(request, remaining), self.timeout_for(remaining))
+    def send(self, hop: pb.HopRequest) -> None:
+        """Hand one frame to the hop; DownstreamError when the link cannot be had."""
+        self.hop.send(hops.stamp(hop))
 
-    def wait(self, future: HopFuture, timeout: float, hop: HopFuture | None = None) -> pb.IterationBatchResponse:
-        """The answer of ``future`` within ``timeout`` (else DEADLINE_EXCEEDED, and the hop —
-        ``future`` itself unless given — is given up)."""
-        try:
-            return future.result(timeout=timeout + 0.05)
-        except FutureTimeout:
-            (hop or future).cancel_hop()
-            raise DownstreamError(f"stage {self.peer.stage_id} at {self.peer.endpoint} did not answer within "
-                                  f"{timeout:.3f}s", stage_id=self.peer.stage_id, code_name="DEADLINE_EXCEEDED") from None
+    def frame_port(self, timeout_s: float) -> int:
+        """The downstream's TCP frame listener, as it advertises it (asked on every new link)."""
+        status = self.status(timeout_s)
+        if not status.frame_port:
+            raise DownstreamError(f"stage {self.peer.stage_id} at {self.peer.endpoint} has no TCP frame listener "
+                                  f"(its hop_transport={status.hop_transport!r}, this stage's 'tcp')",
+                                  stage_id=self.peer.stage_id, code_name="FAILED_PRECONDITION")
+        return int(status.frame_port)
 
-    def submit(self, request: pb.IterationBatchRequest, remaining: float | None) -> HopFuture:
-        """Send one frame; the future resolves to the answer or fails with a DownstreamError."""
-        timeout = self.timeout_for(remaining)
-        out = HopFuture()
-        if self.transport == "stream":
-            stream = self._open_stream()
-            hop_id = next(self._hop_ids)
-            inner = stream.send(pb.HopRequest(hop_id=hop_id, request=request, timeout_s=timeout))
-            out.cancel_hop = lambda: stream.forget(hop_id)
-
-            def done(f: Future) -> None:
-                try:
-                    out.settle(result=self._from_reply(f.result()))
-                except grpc.RpcError as err:
-                    out.settle(error=self._translate(err))
-                except DownstreamError as exc:
-                    out.settle(error=exc)
-            inner.add_done_callback(done)
-            return out
-        call = self._stub.ActivationFrame.future(request, timeout=timeout, metadata=self._metadata)
-        out.cancel_hop = call.cancel
-
-        def unary_done(c: grpc.Future) -> None:
-            try:
-                out.settle(result=c.result())
-            except grpc.RpcError as err:
-                out.settle(error=self._translate(err))
-        call.add_done_callback(unary_done)
-        return out
-
-    def _open_stream(self) -> _HopStream:
-        with self._lock:
-            if self._stream is None or self._stream.broken:
-                if self._stream is not None:
-                    self._stream.close()
-                self._stream = _HopStream(self._stub, self._metadata)
-            return self._stream
-
-    def _from_reply(self, reply: pb.HopReply) -> pb.IterationBatchResponse:
-        if reply.code == 0:
-            return reply.response
-        code = _CODE_BY_VALUE.get(reply.code, grpc.StatusCode.UNKNOWN)
-        if reply.failed_stage:
-            raise DownstreamError(reply.message, stage_id=reply.failed_stage,
-                                  code_name=_RELAYED_CODES.get(code, "UNAVAILABLE"))
-        if code in _RELAYED_CODES:
-            raise DownstreamError(f"stage {self.peer.stage_id}: {reply.message}", stage_id=self.peer.stage_id,
-                                  code_name=_RELAYED_CODES[code])
-        raise DownstreamError(f"stage {self.peer.stage_id} failed: {code.name}: {reply.message}",
-                              stage_id=self.peer.stage_id)
+    def reply_error(self, reply: pb.HopReply) -> DownstreamError:
+        return reply_error(self.peer, reply)
 
     def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
         try:
@@ -288,6 +167,65 @@ class DownstreamClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                if self._stream is not None:
-                    self._stream.close()
+                self.hop.close()
                 self._channel.close()
+
+
+def reply_error(peer: PeerConfig, reply: pb.HopReply) -> DownstreamError:
+    """The DownstreamError a back-channel error from ``peer``'s edge stands for."""
+    code = _CODE_BY_VALUE.get(reply.code, grpc.StatusCode.UNKNOWN)
+    if reply.failed_stage:
+        return DownstreamError(reply.message, stage_id=reply.failed_stage,
+                               code_name=_RELAYED_CODES.get(code, "UNAVAILABLE"))
+    if code in _RELAYED_CODES:
+        return DownstreamError(f"stage {peer.stage_id}: {reply.message}", stage_id=peer.stage_id,
+                               code_name=_RELAYED_CODES[code])
+    return DownstreamError(f"stage {peer.stage_id} failed: {code.name}: {reply.message}", stage_id=peer.stage_id)
+
+
+class LocalDownstream:
+    """The downstream edge to a stage in this process: frames over a :class:`~hops.LocalHop`
+    (run on the sender's thread), control calls made directly. Stage logic is tested on it
+    without sockets; it translates errors as the gRPC client does."""
+
+    def __init__(self, peer: PeerConfig, target, *, hop_timeout_s: float, on_reply: hops.OnReply,  # noqa: ANN001
+                 on_broken: hops.OnBroken) -> None:
+        self.peer = peer
+        self.target = target
+        self.hop_timeout_s = hop_timeout_s
+        self.transport = "local"
+        self.hop = hops.LocalHop(peer, target, on_reply=on_reply, on_broken=on_broken)
+
+    def timeout_for(self, remaining: float | None) -> float:
+        return self.hop_timeout_s if remaining is None else max(0.001, min(remaining, self.hop_timeout_s))
+
+    def send(self, hop: pb.HopRequest) -> None:
+        self.hop.send(hops.stamp(hop))
+
+    def reply_error(self, reply: pb.HopReply) -> DownstreamError:
+        return reply_error(self.peer, reply)
+
+    def _call(self, fn, *args):  # noqa: ANN001, ANN202
+        from skippy_stage.errors import SkippyError
+        from skippy_stage.status import status_for
+
+        try:
+            return fn(*args)
+        except DownstreamError:
+            raise
+        except SkippyError as exc:
+            code, message = status_for(exc)
+            raise DownstreamError(f"stage {self.peer.stage_id}: {message}", stage_id=self.peer.stage_id,
+                                  code_name=_RELAYED_CODES.get(code, "UNAVAILABLE")) from None
+
+    def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
+        return self._call(self.target.drop_session, session_id, remaining)
+
+    def status(self, timeout_s: float) -> pb.StageStatus:
+        return self._call(self.target.status)
+
+    def probe_health(self, timeout_s: float) -> HealthProbe:
+        return HealthProbe(True, "") if self.target.ready else HealthProbe(False, f"stage {self.peer.stage_id} not ready")
+
+    def close(self) -> None:
+        self.hop.close()

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _ENTRY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_HOP_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0)
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -27,15 +28,19 @@ class StageMetrics:
         self.compute_seconds = Histogram("skippy_compute_seconds", "Seconds spent in this stage's layers per batch",
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.hop_seconds = Histogram("skippy_forward_hop_seconds",
-                                     "Seconds from sending a frame downstream to its answer (everything below)",
+                                     "Seconds from sending a step's frame downstream to its outputs arriving back "
+                                     "(everything below; where a step is waited for: the head, unary calls)",
                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.hop_latency_seconds = Histogram(
+            "skippy_hop_latency_seconds", "Seconds from the upstream handing a frame to its transport to this stage "
+            "starting on it (clocks of both hosts; exact on one host)", buckets=_HOP_BUCKETS, registry=r)
         self.activation_bytes = Counter("skippy_activation_bytes", "Activation payload bytes, by direction and codec",
                                         ["direction", "codec"], registry=r)
         self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",
                                         ["failed_stage"], registry=r)
         self.returns = Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
-                               "(direct: the final stage's ReturnResults; relay: back up through the stages) or "
-                               "sent by the final stage (sent)", ["path"], registry=r).labels  # type: ignore[assignment]
+                               "(direct: straight from the final stage; relay: back up through the stages) or, at "
+                               "the final stage, how they left (sent: straight to the head; relayed: up the edge)", ["path"], registry=r).labels  # type: ignore[assignment]
         self._gauges = {
             name: Gauge(f"skippy_{name}", doc, registry=r)
             for name, doc in (

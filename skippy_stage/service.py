@@ -1,7 +1,7 @@
 """The gRPC surface of a stage: a thin servicer, the one error-to-status map, the server.
 
 Handlers parse, call the Stage (or the head's Generator) and serialise; they never call
-llama.cpp. Every SkippyError becomes a status code in :func:`status_for` — the only
+llama.cpp. Every SkippyError becomes a status code in ``status.status_for`` — the only
 place that knows the mapping — and a DownstreamError also names the failed stage in the
 trailing metadata ``skippy-failed-stage`` so upstream stages relay it unchanged.
 """
@@ -23,21 +23,13 @@ from grpc_reflection.v1alpha import reflection
 
 from skippy_stage.config import StageConfig
 from skippy_stage.downstream import FAILED_STAGE_KEY, HealthProbe
-from skippy_stage.errors import (
-    CapacityError,
-    ConfigError,
-    DownstreamError,
-    InvalidRequestError,
-    RuntimeFailure,
-    SessionStateError,
-    SkippyError,
-    UnknownSessionError,
-    UnsupportedModelError,
-)
+from skippy_stage.errors import ConfigError, DownstreamError, InvalidRequestError, SessionStateError, SkippyError
 from skippy_stage.head import Finish, Generator
+from skippy_stage.listener import FrameListener
 from skippy_stage.messages import generate_spec_from_pb, sampling_to_pb
 from skippy_stage.security import BearerTokenInterceptor, Credentials
 from skippy_stage.stage import Stage, StageState, Timeouts
+from skippy_stage.status import status_for
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -47,37 +39,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StageService"].full_name
 # A health service name that answers SERVING while the process is up and not draining:
 # for liveness probes, which must not restart a stage merely because its downstream is down.
 LIVENESS_SERVICE = "liveness"
-_CODES: tuple[tuple[type[SkippyError], grpc.StatusCode], ...] = (
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (SessionStateError, grpc.StatusCode.FAILED_PRECONDITION),
-    (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (RuntimeFailure, grpc.StatusCode.INTERNAL),
-)
-
-
-def status_for(exc: SkippyError) -> tuple[grpc.StatusCode, str]:
-    """The one mapping from domain errors to gRPC status codes."""
-    if isinstance(exc, DownstreamError):
-        return getattr(grpc.StatusCode, exc.code_name, grpc.StatusCode.UNAVAILABLE), str(exc)
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            return code, str(exc)
-    return grpc.StatusCode.INTERNAL, str(exc)
-
-
-# gRPC carries the status message percent-encoded in metadata (up to 12 bytes per character)
-# and starts dropping metadata past 8 KiB: a message repeating a huge client value would turn
-# into RESOURCE_EXHAUSTED on the way and hide the real code. 512 characters stay under 6 KiB.
-MAX_STATUS_MESSAGE = 512
-
-
 def _abort(context: grpc.ServicerContext, exc: SkippyError) -> None:
     code, message = status_for(exc)
-    if len(message) > MAX_STATUS_MESSAGE:
-        message = message[: MAX_STATUS_MESSAGE - 20] + " ...(truncated)"
     if isinstance(exc, DownstreamError):
         context.set_trailing_metadata(((FAILED_STAGE_KEY, exc.stage_id),))
     context.abort(code, message)
@@ -104,9 +67,6 @@ def _unary(handler: Callable) -> Callable:
 class StageServicer(pb_grpc.StageServiceServicer):
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
-        # Frames arriving on activation streams are processed here, several at once, so a
-        # frame whose answer is still travelling the stages below does not block the next.
-        self._hop_pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hop")
         self._generator: Generator | None = None
         self._generator_lock = threading.Lock()
         self._return_streams: set[grpc.ServicerContext] = set()
@@ -150,44 +110,31 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     @_unary
     def ActivationFrame(self, request, context):  # noqa: N802
+        """One frame, answered with the step's outputs: they are relayed back up to this stage."""
         if not request.HasField("frame"):
             raise InvalidRequestError("frame is required in ActivationFrame")
-        return self.stage.process(request, context.time_remaining())
+        return self.stage.process(request, context.time_remaining(), relay=True)
 
     def ActivationStream(self, request_iterator, context):  # noqa: N802
-        """Frames from the upstream neighbour, each processed on the hop pool; replies leave
-        as they finish (matched by hop_id), so a frame waiting on the stages below does not
-        hold up the next one."""
+        """Frames from the upstream neighbour (hop_transport "stream"), each run on the thread
+        that reads them; the response stream is this edge's back channel (errors, relayed
+        outputs), fed from whichever thread has one to send."""
         replies: queue.SimpleQueue = queue.SimpleQueue()
-        in_flight = threading.Semaphore(0)
         done = object()
-
-        def handle(hop: pb.HopRequest) -> None:
-            try:
-                response = self.stage.process(hop.request, hop.timeout_s or None)
-                self.stage.metrics.requests(rpc="ActivationStream", code="OK").inc()
-                replies.put(pb.HopReply(hop_id=hop.hop_id, response=response))
-            except SkippyError as exc:
-                code, message = status_for(exc)
-                self.stage.metrics.requests(rpc="ActivationStream", code=code.name).inc()
-                failed = exc.stage_id if isinstance(exc, DownstreamError) else ""
-                replies.put(pb.HopReply(hop_id=hop.hop_id, code=code.value[0], message=message, failed_stage=failed))
-            finally:
-                in_flight.release()
+        sink = replies.put
 
         def read() -> None:
-            count = 0
+            self.stage.inbound.add(sink)
             try:
                 for hop in request_iterator:
-                    count += 1
-                    self._hop_pool.submit(handle, hop)
+                    self.stage.accept_frame(hop, sink)
             except grpc.RpcError:
-                pass  # the upstream went away; finish what was started
-            for _ in range(count):
-                in_flight.acquire()
-            replies.put(done)
+                pass  # the upstream went away
+            finally:
+                self.stage.inbound.discard(sink)
+                replies.put(done)
 
-        threading.Thread(target=read, name="activation-stream-reader", daemon=True).start()
+        threading.Thread(target=read, name="activation-stream", daemon=True).start()
         while True:
             reply = replies.get()
             if reply is done:
@@ -297,6 +244,13 @@ class StageServer:
             self.port = self.server.add_insecure_port(config.bind_addr)
         if self.port == 0:
             raise ConfigError(f"stage {config.stage_id}: cannot bind {config.bind_addr} (port in use or address unavailable)")
+        # Frames (from the upstream) and direct returns (at the head) over TCP.
+        self.frames: FrameListener | None = None
+        if config.hop_transport == "tcp" and (config.upstream is not None or not config.include_embeddings
+                                              or config.downstream is not None):
+            host = config.bind_addr.rpartition(":")[0].strip("[]") or "0.0.0.0"
+            self.frames = FrameListener(self.stage, host, config.frame_port or 0)
+            self.stage.frame_port = self.frames.port
         self.http = None
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_downstream, name="downstream-health", daemon=True)
@@ -320,6 +274,10 @@ class StageServer:
         except DownstreamError as exc:
             return HealthProbe(False, str(exc))
         problems = []
+        if below.hop_transport and below.hop_transport != self.config.hop_transport:
+            problems.append(f"it takes frames over hop_transport={below.hop_transport!r}, this stage "
+                            f"({self.config.stage_id}) sends them over {self.config.hop_transport!r}; set the same "
+                            f"hop_transport on both ends")
         if below.layer_start != self.config.layer_end:
             problems.append(f"its layer_start={below.layer_start} != this stage's layer_end={self.config.layer_end}")
         if self.stage.runtime is not None and below.n_embd and below.n_embd != self.stage.runtime.n_embd:
@@ -371,6 +329,8 @@ class StageServer:
 
     def start(self) -> None:
         self.server.start()
+        if self.frames is not None:
+            self.frames.start()
         self._monitor.start()
         if self.config.metrics_port is not None:
             self.stage.metrics.serve_http(self.config.metrics_port)
@@ -397,6 +357,8 @@ class StageServer:
         stopped = self.server.stop(grace_s)
         closing.join(grace_s)
         stopped.wait()
+        if self.frames is not None:
+            self.frames.close()
         self.stage.close()
 
 

@@ -1,10 +1,19 @@
-"""One stage: its runtime, its downstream hop, and what happens to a batch passing through.
+"""One stage: its runtime, its edges, and what happens to a frame passing through.
 
-The gRPC servicer (``service``) is a thin shell around this: parse, call, serialise. A
-batch runs through the local layers under the runtime's lock, then, outside every lock,
-travels to the downstream stage; the answer is relayed back. If the downstream fails,
-the sessions of that batch are freed here before the error travels up, so no stage keeps
-a half-advanced session: "a session that fails anywhere is freed on every stage".
+Frames flow one way. A stage runs a frame's entries through its layers on the thread that
+received it and hands its own frame to the downstream hop; the final stage sends the
+outputs straight to the head (``return_to``) or, failing that, back up the edges. Nobody
+waits for the stages below except whoever started a step: the head's scheduler, or a
+unary IterationBatch/ActivationFrame caller. Those wait on ``returns`` by the step's key.
+
+Errors travel back up the edges' back channels as HopReplies naming the failed stage and
+the frame's sessions; every stage on the way frees those sessions and passes the reply
+on, so "a session that fails anywhere is freed on every stage". A link that breaks loses
+every frame in flight through it: the stage above tells everyone above it, and the head
+fails (and recovers) every step it waits for.
+
+The servicer (``service``) and the TCP frame listener (``listener``) are thin shells
+around this: parse, call, serialise.
 """
 
 from __future__ import annotations
@@ -12,19 +21,22 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import structlog
 
 from skippy_stage.config import PeerConfig, StageConfig
-from skippy_stage.downstream import DownstreamClient, HealthProbe, HopFuture
+from skippy_stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SkippyError, UnknownSessionError
 from skippy_stage.messages import PB_TO_DTYPE, StageShape, entries_from_request, forward_request, response_from_results
 from skippy_stage.metrics import StageMetrics
-from skippy_stage.returns import ReturnBox, ReturnClient
+from skippy_stage.returns import LocalReturn, ReturnBox, StreamReturn, TcpReturn
 from skippy_stage.runtime import StageRuntime
 from skippy_stage.security import Credentials
 from skippy_stage.slicing import read_model_info
+from skippy_stage.status import status_for
 from skippy_stage.v1 import stage_pb2 as pb
 
 log = structlog.get_logger("skippy_stage.stage")
@@ -59,8 +71,43 @@ class Timeouts:
     step_s: float = 60.0  # one generation step at the head, end to end
 
 
+class Inbound:
+    """The back channels of this stage's upstream edges: where errors and relayed outputs
+    from below go on. A sink sends one HopReply up one edge and never raises."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sinks: list[Callable[[pb.HopReply], None]] = []
+
+    def add(self, sink: Callable[[pb.HopReply], None]) -> None:
+        with self._lock:
+            self._sinks.append(sink)
+
+    def discard(self, sink: Callable[[pb.HopReply], None]) -> None:
+        with self._lock:
+            if sink in self._sinks:
+                self._sinks.remove(sink)
+
+    def broadcast(self, reply: pb.HopReply) -> int:
+        with self._lock:
+            sinks = list(self._sinks)
+        for sink in sinks:
+            sink(reply)
+        return len(sinks)
+
+
+def error_reply(exc: SkippyError, *, return_key: str, session_ids: list[str], hop_id: int = 0,
+                stage_id: str = "") -> pb.HopReply:
+    """The back-channel message for a failed frame. ``failed_stage`` names the stage that failed:
+    the one given, or the deeper one a DownstreamError names."""
+    code, message = status_for(exc)
+    failed = exc.stage_id if isinstance(exc, DownstreamError) else stage_id
+    return pb.HopReply(hop_id=hop_id, code=code.value[0], message=message, failed_stage=failed,
+                       return_key=return_key, session_ids=session_ids)
+
+
 class Stage:
-    """The stage's domain object; owns the runtime and the downstream client."""
+    """The stage's domain object; owns the runtime, the downstream edge and the return path."""
 
     def __init__(self, config: StageConfig, *, max_message_bytes: int, timeouts: Timeouts = Timeouts()) -> None:
         self.config = config
@@ -72,21 +119,57 @@ class Stage:
         self.architecture = ""
         self._state = StageState.LOADING
         self._state_lock = threading.Lock()
+        self.credentials = Credentials.from_config(config)
+        self.metrics = StageMetrics(config.stage_id)
+        self.returns = ReturnBox()
+        self.inbound = Inbound()
+        # The TCP frame listener's port once it listens (advertised in GetStatus).
+        self.frame_port = 0
         self.downstream = self.client_for(config.downstream) if config.downstream is not None else None
         self.downstream_health = HealthProbe(config.downstream is None, "not probed yet")
-        self.metrics = StageMetrics(config.stage_id)
         self._pending_drops: set[str] = set()
         self._pending_lock = threading.Lock()
-        self.returns = ReturnBox()
-        self.return_client = None if config.return_to is None else ReturnClient(
-            config.return_to, stage_id=config.stage_id, max_message_bytes=max_message_bytes,
-            credentials=Credentials.from_config(config))
+        self._drop_retry = threading.Lock()
+        self.return_path: TcpReturn | StreamReturn | LocalReturn | None = None
+        if config.return_to is not None:
+            if config.hop_transport == "tcp":
+                self.return_path = TcpReturn(config.return_to, credentials=self.credentials,
+                                             stage_id=config.stage_id, max_message_bytes=max_message_bytes)
+            else:
+                self.return_path = StreamReturn(config.return_to, stage_id=config.stage_id,
+                                                max_message_bytes=max_message_bytes, credentials=self.credentials)
 
     # -- lifecycle -------------------------------------------------------------------
 
     def client_for(self, peer: PeerConfig) -> DownstreamClient:
-        return DownstreamClient(peer, max_message_bytes=self.max_message_bytes, hop_timeout_s=self.timeouts.hop_s,
-                                transport=self.config.hop_transport, credentials=Credentials.from_config(self.config))
+        client: DownstreamClient | None = None
+
+        def broken(error: DownstreamError) -> None:
+            self._link_broken(client, error)
+        client = DownstreamClient(peer, max_message_bytes=self.max_message_bytes, hop_timeout_s=self.timeouts.hop_s,
+                                  connect_timeout_s=self.timeouts.health_probe_s * 2,
+                                  transport=self.config.hop_transport, stage_id=self.config.stage_id,
+                                  on_reply=self._from_below, on_broken=broken, credentials=self.credentials)
+        return client
+
+    def connect_local(self, target: Stage) -> None:
+        """Chain ``target`` (a stage of this process) below this one: frames run on the
+        sender's thread, and (final target) outputs come straight back here."""
+        if self.downstream is not None:
+            self.downstream.close()
+        client = None
+
+        def broken(error: DownstreamError) -> None:
+            self._link_broken(client, error)
+        peer = self.config.downstream or PeerConfig(target.config.stage_id, target.config.stage_index, "local")
+        client = LocalDownstream(peer, target, hop_timeout_s=self.timeouts.hop_s, on_reply=self._from_below,
+                                 on_broken=broken)
+        self.downstream = client
+        self.downstream_health = HealthProbe(True, "")
+
+    def return_locally(self, head: Stage) -> None:
+        """Final stage: send outputs straight to ``head``, a stage of this process."""
+        self.return_path = LocalReturn(head)
 
     def switch_downstream(self, client: DownstreamClient) -> None:
         """Send frames to another stage serving the same layers (the old one stopped answering)."""
@@ -147,15 +230,15 @@ class Stage:
         self.transition(StageState.STOPPED)
         if self.downstream is not None:
             self.downstream.close()
-        if self.return_client is not None:
-            self.return_client.close()
+        if self.return_path is not None:
+            self.return_path.close()
         if self.runtime is not None:
             self.runtime.close()
 
-    # -- the batch path --------------------------------------------------------------
+    # -- the frame path --------------------------------------------------------------
 
-    def process(self, request: pb.IterationBatchRequest, remaining_s: float | None) -> pb.IterationBatchResponse:
-        """Run the local layers, then forward and relay (or answer, at the final stage)."""
+    def _run_local(self, request: pb.IterationBatchRequest):  # noqa: ANN202
+        """Validate the batch and run it through this stage's layers: its entries and results."""
         runtime = self.require_runtime()
         if len(request.return_key) > 64:
             raise InvalidRequestError(f"return_key must be at most 64 characters, got {len(request.return_key)}")
@@ -163,71 +246,136 @@ class Stage:
         self._check_reply_fits(request, runtime.n_vocab)
         m = self.metrics
         if request.HasField("frame"):
-            m.activation_bytes.labels("received", _codec(request)).inc(
-                len(request.frame.payload))
+            m.activation_bytes.labels("received", _codec(request)).inc(len(request.frame.payload))
         started = time.perf_counter()
         results = runtime.run_batch(entries)
         m.compute_seconds.observe(time.perf_counter() - started)
         m.batch_entries.observe(len(entries))
         m.batch_tokens.observe(sum(len(e.positions) for e in request.entries))
-        if self.downstream is None:
+        return entries, results
+
+    def _pass_on(self, request: pb.IterationBatchRequest, results, *, relay: bool,  # noqa: ANN001
+                 remaining_s: float | None, sink: Callable[[pb.HopReply], None] | None) -> pb.IterationBatchResponse | None:
+        """Hand this stage's output on: a frame to the downstream, or (final stage) the outputs
+        to the head, to ``sink`` (relayed up one edge), or returned (None when sent)."""
+        downstream = self.downstream
+        if downstream is None:
             response = response_from_results(results, self.config.stage_id)
-            if self.return_client is not None and request.return_key:
-                self.return_client.send(request.return_key, response)
-                m.returns(path="sent").inc()
-            return response
+            if not relay and self.return_path is not None and request.return_key:
+                if self.return_path.send(request.return_key, response):
+                    self.metrics.returns(path="sent").inc()
+                    return None
+            if sink is None:
+                return response
+            sink(pb.HopReply(return_key=request.return_key, response=response))
+            self.metrics.returns(path="relayed").inc()
+            return None
+        forward = forward_request(request, results, self.shape)
+        self.metrics.activation_bytes.labels("sent", self.shape.wire_dtype).inc(len(forward.frame.payload))
+        downstream.send(pb.HopRequest(request=forward, relay=relay, timeout_s=downstream.timeout_for(remaining_s)))
+        return None
+
+    def accept_frame(self, hop: pb.HopRequest, sink: Callable[[pb.HopReply], None]) -> None:
+        """A frame from the upstream edge whose back channel is ``sink``; never raises.
+
+        Runs on the receiving thread: this stage's layers, then the frame on (or the outputs
+        back). A failure frees the frame's sessions here and goes up ``sink`` naming them.
+        """
+        if hop.sent_unix_ns:
+            self.metrics.hop_latency_seconds.observe(max(0.0, (time.time_ns() - hop.sent_unix_ns) / 1e9))
+        request = hop.request
         try:
-            forward = forward_request(request, results, self.shape)
-        except SkippyError:
-            self.free_sessions([e.session_id for e in entries])  # this stage advanced; nobody below did
-            raise
-        m.activation_bytes.labels("sent", self.shape.wire_dtype).inc(len(forward.frame.payload))
+            _, results = self._run_local(request)
+            self._pass_on(request, results, relay=hop.relay, remaining_s=hop.timeout_s or None, sink=sink)
+            self.metrics.requests(rpc="Frame", code="OK").inc()
+        except SkippyError as exc:
+            sessions = [e.session_id for e in request.entries][:1024]
+            self._failed(exc, sessions, request.request_id)
+            self.metrics.requests(rpc="Frame", code=status_for(exc)[0].name).inc()
+            sink(error_reply(exc, return_key=request.return_key[:64], session_ids=sessions, hop_id=hop.hop_id,
+                             stage_id=self.config.stage_id))
+
+    def _failed(self, exc: SkippyError, sessions: list[str], request_id: str) -> None:
+        """A batch failed here or below: free its sessions on this stage (and, if the edge
+        below broke, remember to free them below once it answers again)."""
+        self.free_sessions(sessions)
+        if isinstance(exc, DownstreamError):
+            self.metrics.forward_failures.labels(exc.stage_id).inc()
+            if exc.code_name == "UNAVAILABLE":
+                self.downstream_health = HealthProbe(False, str(exc))
+                self.remember_drops(sessions)
+            self.log.warning("batch lost below; sessions freed", failed_stage=exc.stage_id, error=str(exc),
+                             sessions=sessions[:16], request_id=request_id)
+
+    def process(self, request: pb.IterationBatchRequest, remaining_s: float | None, *,
+                relay: bool | None = None) -> pb.IterationBatchResponse:
+        """Run one step from here down and wait for its outputs: the head's scheduler, and the
+        unary IterationBatch / ActivationFrame / Decode calls.
+
+        The head lets the final stage return straight to it; any other stage asks for the
+        outputs to be relayed back up to it (``relay``).
+        """
+        if relay is None:
+            relay = not self.config.include_embeddings
+        entries, results = self._run_local(request)
+        downstream = self.downstream
+        if downstream is None:
+            return response_from_results(results, self.config.stage_id)
+        sessions = [e.session_id for e in entries]
+        outcome = HopFuture()
+        key = self.returns.expect(outcome)
+        request.return_key = key
+        timeout = downstream.timeout_for(remaining_s)
         started = time.perf_counter()
         try:
-            response = self._forward(forward, remaining_s)
-            m.hop_seconds.observe(time.perf_counter() - started)
+            self._pass_on(request, results, relay=relay, remaining_s=timeout, sink=None)
+            try:
+                response = outcome.result(timeout=timeout + 0.05)
+            except FutureTimeout:
+                raise DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
+                                      f"outputs did not arrive within {timeout:.3f}s", stage_id=downstream.peer.stage_id,
+                                      code_name="DEADLINE_EXCEEDED") from None
+            self.metrics.hop_seconds.observe(time.perf_counter() - started)
             return response
-        except DownstreamError as exc:
-            m.forward_failures.labels(exc.stage_id).inc()
-            if exc.code_name == "UNAVAILABLE":
-                # Not ready until the health monitor sees the chain answer again.
-                self.downstream_health = HealthProbe(False, str(exc))
-            sessions = [e.session_id for e in entries]
-            self.free_sessions(sessions)
-            self._drop_below(sessions)
-            self.log.warning("forward failed; sessions freed", failed_stage=exc.stage_id, error=str(exc),
-                             sessions=sessions, request_id=request.request_id)
+        except SkippyError as exc:
+            self._failed(exc, sessions, request.request_id)
             raise
-
-    def _forward(self, forward: pb.IterationBatchRequest, remaining_s: float | None) -> pb.IterationBatchResponse:
-        """Send the frame down and wait for its outputs.
-
-        Below the head, that is the relayed answer. The head also accepts the final stage's
-        direct return (``returns``): the step is settled by whichever copy comes first, and
-        a relayed error settles it only if the outputs have not already arrived.
-        """
-        if not self.config.include_embeddings:
-            return self.downstream.forward(forward, remaining_s)
-        timeout = self.downstream.timeout_for(remaining_s)
-        outcome = HopFuture()
-        forward.return_key = key = self.returns.expect(outcome)
-        try:
-            relay = self.downstream.submit(forward, remaining_s)
-
-            def relayed(f: HopFuture) -> None:
-                error = f.exception()
-                if outcome.settle(result=None if error else f.result(), error=error):
-                    self.metrics.returns(path="relay").inc()
-                elif error is not None:
-                    # The direct copy settled the step; the chain broke after the final stage
-                    # answered. The stages that saw it freed the sessions: the next step finds
-                    # them gone (NOT_FOUND) and the head re-prefills them.
-                    self.log.warning("relayed answer failed after the direct return", error=str(error),
-                                     request_id=forward.request_id)
-            relay.add_done_callback(relayed)
-            return self.downstream.wait(outcome, timeout, hop=relay)
         finally:
             self.returns.forget(key)
+
+    def _from_below(self, reply: pb.HopReply) -> None:
+        """A message on the downstream edge's back channel (its reader thread): settle the step
+        waiting here, or pass it up; an error first frees its sessions on this stage."""
+        downstream = self.downstream
+        if reply.code == 0:
+            if self.returns.deliver(reply.return_key, reply.response):
+                self.metrics.returns(path="relay").inc()
+            elif not self.inbound.broadcast(reply):
+                self.log.warning("relayed outputs nobody waits for", return_key=reply.return_key[:64])
+            return
+        error = (downstream.reply_error(reply) if downstream is not None else
+                 DownstreamError(reply.message, stage_id=reply.failed_stage or "below"))
+        sessions = list(reply.session_ids)
+        if sessions:
+            self.free_sessions(sessions)
+        if not reply.return_key:
+            # The edge below the failed stage broke: whatever was in flight through it is lost.
+            self.log.warning("an edge below broke", failed_stage=error.stage_id, error=str(error))
+            if error.code_name == "UNAVAILABLE":
+                self.downstream_health = HealthProbe(False, str(error))
+            self.returns.fail_all(error)
+            self.inbound.broadcast(reply)
+            return
+        if not self.returns.fail(reply.return_key, error):
+            self.inbound.broadcast(reply)
+
+    def _link_broken(self, client: DownstreamClient | None, error: DownstreamError) -> None:
+        """The link to the downstream broke: fail every step waiting here, tell the stages above."""
+        if client is not None and client is self.downstream:
+            self.downstream_health = HealthProbe(False, str(error))
+        lost = self.returns.fail_all(error)
+        self.log.warning("downstream link broke", failed_stage=error.stage_id, error=str(error), steps_lost=lost)
+        self.inbound.broadcast(error_reply(error, return_key="", session_ids=[]))
 
     def deliver_return(self, batch: pb.ReturnedBatch) -> bool:
         """A final stage's direct return; False when no step waits for it (late or unknown)."""
@@ -236,35 +384,33 @@ class Stage:
             self.metrics.returns(path="direct").inc()
         return settled
 
-    def _drop_below(self, session_ids: list[str]) -> None:
-        """Best effort, in the background: the stages below may hold the failed batch too.
-
-        (A stage that already answered, when the reply was lost on the way back, has
-        advanced its sessions.) The error travels up without waiting for this.
-        """
-        with self._pending_lock:
-            self._pending_drops.update(session_ids)
-        threading.Thread(target=self.retry_pending_drops, name="drop-below", daemon=True).start()
-
-    def retry_pending_drops(self) -> None:
-        """Send the drops the stages below have not confirmed yet.
-
-        Called after a failure and again whenever the downstream answers health checks, so a
-        session stranded below a cut link is freed as soon as the link is back (the idle TTL
-        is only the last resort).
-        """
-        if self.downstream is None:
+    def remember_drops(self, session_ids: list[str]) -> None:
+        """Sessions the stages below may still hold behind a broken edge: freed there once it
+        answers again (``retry_pending_drops``; the idle TTL is only the last resort)."""
+        if self.downstream is None or not session_ids:
             return
         with self._pending_lock:
-            pending = list(self._pending_drops)
-        for session_id in pending:
-            try:
-                self.downstream.drop_session(session_id, self.timeouts.health_probe_s)
-            except DownstreamError as exc:
-                if exc.code_name != "NOT_FOUND":
-                    continue  # still unreachable: keep it for the next retry
+            self._pending_drops.update(session_ids)
+
+    def retry_pending_drops(self) -> None:
+        """Send the drops the stages below have not confirmed yet (the health monitor calls
+        this whenever the downstream answers)."""
+        downstream = self.downstream
+        if downstream is None or not self._drop_retry.acquire(blocking=False):
+            return  # a retry is already under way
+        try:
             with self._pending_lock:
-                self._pending_drops.discard(session_id)
+                pending = list(self._pending_drops)
+            for session_id in pending:
+                try:
+                    downstream.drop_session(session_id, self.timeouts.health_probe_s)
+                except DownstreamError as exc:
+                    if exc.code_name != "NOT_FOUND":
+                        continue  # still unreachable: keep it for the next retry
+                with self._pending_lock:
+                    self._pending_drops.discard(session_id)
+        finally:
+            self._drop_retry.release()
 
     def expire_idle_sessions(self) -> list[str]:
         """Free sessions idle for longer than session_idle_ttl_s; returns their ids."""
@@ -310,13 +456,15 @@ class Stage:
             stages = [pb.StageDrop(stage_id=self.config.stage_id, found=True, reset_ms=result.reset_seconds * 1e3)]
         except UnknownSessionError:
             stages = [pb.StageDrop(stage_id=self.config.stage_id, found=False)]
-        if self.downstream is not None:
+        downstream = self.downstream
+        if downstream is not None:
             try:
-                stages.extend(self.downstream.drop_session(session_id, remaining_s).stages)
+                stages.extend(downstream.drop_session(session_id, remaining_s).stages)
             except DownstreamError as exc:
                 if exc.code_name != "NOT_FOUND":
+                    self.remember_drops([session_id])
                     raise
-                stages.append(pb.StageDrop(stage_id=self.downstream.peer.stage_id, found=False))
+                stages.append(pb.StageDrop(stage_id=downstream.peer.stage_id, found=False))
         if not any(s.found for s in stages):
             raise UnknownSessionError(f"session_id={session_id!r} is not bound on stage {self.config.stage_id} or below")
         return pb.DropSessionResponse(stages=stages)
@@ -329,10 +477,12 @@ class Stage:
             layer_start=cfg.layer_start, layer_end=cfg.layer_end, include_embeddings=cfg.include_embeddings,
             include_output=cfg.include_output, state=self._state.value, wire_dtype=cfg.wire_dtype,
             downstream_ok=self.downstream_health.ok, downstream_error=self.downstream_health.detail if not self.downstream_health.ok else "",
+            hop_transport=cfg.hop_transport, frame_port=self.frame_port, tls=self.credentials.cert is not None,
         )
-        if self.downstream is not None:
-            msg.downstream_stage_id = self.downstream.peer.stage_id
-            msg.downstream_endpoint = self.downstream.peer.endpoint
+        downstream = self.downstream
+        if downstream is not None:
+            msg.downstream_stage_id = downstream.peer.stage_id
+            msg.downstream_endpoint = downstream.peer.endpoint
         if self.runtime is not None:
             s = self.runtime.stats()
             msg.n_embd = self.runtime.n_embd

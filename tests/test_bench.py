@@ -29,13 +29,19 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     # Split cost = capture + compute inflation + hops, readable off the report.
     assert set(report["stage_compute_ms_per_token"]) == {"2", "3"}
     assert all(v > 0 for v in report["stage_compute_ms_per_token"].values())
-    assert set(report["transport_floor_us"]) == {"grpc_stream", "tcp_socket"}
+    assert set(report["transport_floor_us"]) == {"grpc_stream", "tcp_frame", "tcp_socket"}
+    # The candidate transports, measured in the same run; the default is one of them.
+    assert set(report["transport_comparison_3_stage"]) == {"tcp", "stream"}
+    assert report["hop_transport_default"] in report["transport_comparison_3_stage"]
+    assert all(t["ms_per_token"] > 0 for t in report["transport_comparison_3_stage"].values())
+    assert report["hop_latency_us"] > 0
     assert report["hidden_state_capture"] == "native"
     assert all(v > 0 for v in report["pipeline_ms_per_token"].values())
     assert "decode ms/token, 3 stages" in run.stdout
     # Both ways back to the head, measured side by side; and the hop's floor with no stage work.
     assert set(report["return_path_comparison_3_stage"]) == {"relay_ms_per_token", "direct_ms_per_token"}
     assert all(v > 0 for v in report["return_path_comparison_3_stage"].values())
-    assert set(report["hop_floor_us"]) == {"grpc_stream_round_trip_us", "tcp_socket_round_trip_us"}
+    assert set(report["hop_floor_us"]) == {"grpc_stream_round_trip_us", "tcp_frame_round_trip_us",
+                                           "tcp_socket_round_trip_us"}
     assert all(v > 0 for v in report["hop_floor_us"].values())
-    assert "straight to the head" in run.stdout and "hop floor" in run.stdout
+    assert "straight to the head" in run.stdout and "hop floor" in run.stdout and "hop latency" in run.stdout

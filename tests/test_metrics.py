@@ -45,7 +45,11 @@ def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pi
         assert value(m, "skippy_queue_depth") == 0
         below = scrape(metrics_ports[1])
         assert value(below, "skippy_activation_bytes_total", direction="received", codec="f32") >= 8 * 576 * 4
-        assert value(below, "skippy_requests_total", rpc="ActivationStream", code="OK") >= 8
+        # Frames are counted by what arrived, whatever the transport carried them.
+        assert value(below, "skippy_requests_total", rpc="Frame", code="OK") >= 8
+        # Hop latency: the upstream's send to this stage starting on the frame.
+        assert value(below, "skippy_hop_latency_seconds_count") >= 8
+        assert 0 < value(below, "skippy_hop_latency_seconds_sum") / value(below, "skippy_hop_latency_seconds_count") < 1
         print("sample of the head's metrics:\n" + "\n".join(
             line for line in m.splitlines() if line.startswith("skippy_") and "bucket" not in line))
     finally:

@@ -142,28 +142,66 @@ class ReturnAck(_message.Message):
     def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
 class HopRequest(_message.Message):
-    __slots__ = ("hop_id", "request", "timeout_s")
+    __slots__ = ("hop_id", "request", "timeout_s", "relay", "sent_unix_ns")
     HOP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     hop_id: int
     request: IterationBatchRequest
     timeout_s: float
-    def __init__(self, hop_id: _Optional[int] = ..., request: _Optional[_Union[IterationBatchRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    relay: bool
+    sent_unix_ns: int
+    def __init__(self, hop_id: _Optional[int] = ..., request: _Optional[_Union[IterationBatchRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., relay: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class HopReply(_message.Message):
-    __slots__ = ("hop_id", "response", "code", "message", "failed_stage")
+    __slots__ = ("hop_id", "response", "code", "message", "failed_stage", "return_key", "session_ids")
     HOP_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FAILED_STAGE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     hop_id: int
     response: IterationBatchResponse
     code: int
     message: str
     failed_stage: str
-    def __init__(self, hop_id: _Optional[int] = ..., response: _Optional[_Union[IterationBatchResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., failed_stage: _Optional[str] = ...) -> None: ...
+    return_key: str
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hop_id: _Optional[int] = ..., response: _Optional[_Union[IterationBatchResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., failed_stage: _Optional[str] = ..., return_key: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FrameHello(_message.Message):
+    __slots__ = ("version", "purpose", "token", "stage_id")
+    class Purpose(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PURPOSE_UNSPECIFIED: _ClassVar[FrameHello.Purpose]
+        PURPOSE_HOP: _ClassVar[FrameHello.Purpose]
+        PURPOSE_RETURN: _ClassVar[FrameHello.Purpose]
+    PURPOSE_UNSPECIFIED: FrameHello.Purpose
+    PURPOSE_HOP: FrameHello.Purpose
+    PURPOSE_RETURN: FrameHello.Purpose
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    purpose: FrameHello.Purpose
+    token: str
+    stage_id: str
+    def __init__(self, version: _Optional[int] = ..., purpose: _Optional[_Union[FrameHello.Purpose, str]] = ..., token: _Optional[str] = ..., stage_id: _Optional[str] = ...) -> None: ...
+
+class FrameWelcome(_message.Message):
+    __slots__ = ("code", "message", "stage_id")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    stage_id: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., stage_id: _Optional[str] = ...) -> None: ...
 
 class EntryOutput(_message.Message):
     __slots__ = ("session_id", "has_token", "token", "logits")
@@ -246,7 +284,7 @@ class LaneRow(_message.Message):
     def __init__(self, lane: _Optional[int] = ..., state: _Optional[str] = ..., session_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("stage_id", "stage_index", "run_id", "topology_id", "model_id", "architecture", "layer_start", "layer_end", "include_embeddings", "include_output", "n_embd", "state", "lane_count", "active_sessions", "idle_lanes", "free_lanes", "max_session_tokens", "total_session_tokens", "kv_pool_tokens", "kv_cells_per_lane", "discarded_lanes", "lanes", "downstream_stage_id", "downstream_endpoint", "downstream_ok", "downstream_error", "wire_dtype")
+    __slots__ = ("stage_id", "stage_index", "run_id", "topology_id", "model_id", "architecture", "layer_start", "layer_end", "include_embeddings", "include_output", "n_embd", "state", "lane_count", "active_sessions", "idle_lanes", "free_lanes", "max_session_tokens", "total_session_tokens", "kv_pool_tokens", "kv_cells_per_lane", "discarded_lanes", "lanes", "downstream_stage_id", "downstream_endpoint", "downstream_ok", "downstream_error", "wire_dtype", "hop_transport", "frame_port", "tls")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +312,9 @@ class StageStatus(_message.Message):
     DOWNSTREAM_OK_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_ERROR_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HOP_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     stage_index: int
     run_id: str
@@ -301,7 +342,10 @@ class StageStatus(_message.Message):
     downstream_ok: bool
     downstream_error: str
     wire_dtype: str
-    def __init__(self, stage_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., run_id: _Optional[str] = ..., topology_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., include_embeddings: _Optional[bool] = ..., include_output: _Optional[bool] = ..., n_embd: _Optional[int] = ..., state: _Optional[str] = ..., lane_count: _Optional[int] = ..., active_sessions: _Optional[int] = ..., idle_lanes: _Optional[int] = ..., free_lanes: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., total_session_tokens: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_cells_per_lane: _Optional[int] = ..., discarded_lanes: _Optional[int] = ..., lanes: _Optional[_Iterable[_Union[LaneRow, _Mapping]]] = ..., downstream_stage_id: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., downstream_ok: _Optional[bool] = ..., downstream_error: _Optional[str] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    hop_transport: str
+    frame_port: int
+    tls: bool
+    def __init__(self, stage_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., run_id: _Optional[str] = ..., topology_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., include_embeddings: _Optional[bool] = ..., include_output: _Optional[bool] = ..., n_embd: _Optional[int] = ..., state: _Optional[str] = ..., lane_count: _Optional[int] = ..., active_sessions: _Optional[int] = ..., idle_lanes: _Optional[int] = ..., free_lanes: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., total_session_tokens: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_cells_per_lane: _Optional[int] = ..., discarded_lanes: _Optional[int] = ..., lanes: _Optional[_Iterable[_Union[LaneRow, _Mapping]]] = ..., downstream_stage_id: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., downstream_ok: _Optional[bool] = ..., downstream_error: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., hop_transport: _Optional[str] = ..., frame_port: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -1,0 +1,149 @@
+"""Stage logic over the in-process hop: frames flow one way, errors come back up.
+
+Three real stages (each its own runtime and sliced file) are chained in this process with
+``Stage.connect_local``: a frame runs on the sender's thread, exactly the code path a frame
+from a socket takes after parsing. No sockets, so what is checked here is the stage's own
+logic: the one-way flow, the direct return and the relay, and what a failure frees.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from support import split_configs
+
+from skippy_stage.errors import DownstreamError
+from skippy_stage.loader import reference_llama
+from skippy_stage.messages import sampling_to_pb
+from skippy_stage.stage import Stage
+from skippy_stage.v1 import stage_pb2 as pb
+
+PROMPT = "The capital of France is"
+N_TOKENS = 12
+THREE = [(0, 10), (10, 20), (20, 30)]
+
+
+def chain(model, cache, *, direct: bool, lanes: list[int] | None = None) -> list[Stage]:
+    configs = split_configs(model, THREE, cache, n_threads=2, kv_unified=False)
+    stages = []
+    for i, cfg in enumerate(configs):
+        if lanes is not None:
+            from dataclasses import replace
+
+            cfg = replace(cfg, lane_count=lanes[i], ctx_size=2048)
+        stage = Stage(cfg, max_message_bytes=cfg.max_message_bytes)
+        stage.load()
+        stages.append(stage)
+    for upper, lower in zip(stages, stages[1:]):
+        upper.connect_local(lower)
+    if direct:
+        stages[-1].return_locally(stages[0])
+    return stages
+
+
+def step(head: Stage, session: str, start: int, tokens: list[int]) -> pb.IterationBatchResponse:
+    entry = pb.BatchEntry(session_id=session, phase=pb.PHASE_PREFILL if len(tokens) > 1 else pb.PHASE_DECODE,
+                          positions=list(range(start, start + len(tokens))), token_ids=tokens, sample_last=True,
+                          sampling=sampling_to_pb(None))
+    return head.process(pb.IterationBatchRequest(request_id="t", entries=[entry]), 30.0)
+
+
+def greedy(head: Stage, session: str, prompt: list[int], n: int) -> list[int]:
+    out = [step(head, session, 0, prompt).outputs[0].token]
+    for _ in range(n - 1):
+        out.append(step(head, session, len(prompt) + len(out) - 1, [out[-1]]).outputs[0].token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2):
+    llm = reference_llama(smollm2, n_ctx=2048, verbose=False)
+    prompt = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    tokens = []
+    for token in llm.generate(prompt, temp=0.0, reset=True):
+        tokens.append(token)
+        if len(tokens) == N_TOKENS:
+            break
+    llm.close()
+    return prompt, tokens
+
+
+def close(stages: list[Stage]) -> None:
+    for stage in stages:
+        stage.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["straight-to-the-head", "relayed-up-the-edges"])
+def test_frames_flow_one_way_and_the_text_is_the_unsplit_models(smollm2, slice_cache, expected, direct):
+    prompt, tokens = expected
+    stages = chain(smollm2, slice_cache, direct=direct)
+    try:
+        assert greedy(stages[0], "s1", prompt, N_TOKENS) == tokens
+        registry = stages[0].metrics.registry
+        by_path = {path: registry.get_sample_value("skippy_returns_total", {"path": path}) or 0
+                   for path in ("direct", "relay")}
+        assert by_path == ({"direct": N_TOKENS, "relay": 0} if direct else {"direct": 0, "relay": N_TOKENS})
+        # Nothing waits below the head: no stage keeps a step open once it is answered.
+        assert all(len(s.returns._waiting) == 0 for s in stages)
+        for stage in stages:
+            assert stage.runtime.stats().active_sessions == 1
+        stages[0].drop_session("s1", 5.0)
+        assert [s.runtime.stats().active_sessions for s in stages] == [0, 0, 0]
+    finally:
+        close(stages)
+
+
+def test_a_stage_failing_mid_batch_names_itself_and_every_stage_frees_the_session(smollm2, slice_cache, expected):
+    """Stage 1 has one lane, the others two: a second session is refused there. The head gets
+    RESOURCE_EXHAUSTED naming stage-1, and no stage holds the refused session afterwards."""
+    prompt, _ = expected
+    stages = chain(smollm2, slice_cache, direct=True, lanes=[2, 1, 2])
+    try:
+        step(stages[0], "first", 0, prompt)
+        with pytest.raises(DownstreamError) as info:
+            step(stages[0], "second", 0, prompt)
+        assert info.value.stage_id == "stage-1"
+        assert info.value.code_name == "RESOURCE_EXHAUSTED"
+        assert "lane" in str(info.value)
+        for stage in stages:
+            bound = {row.session_id for row in stage.runtime.stats().lanes if row.session_id}
+            assert bound == {"first"}, (stage.config.stage_id, bound)
+        # The first session goes on undisturbed.
+        assert step(stages[0], "first", len(prompt), [1]).outputs[0].has_token
+    finally:
+        close(stages)
+
+
+def test_a_broken_edge_fails_the_waiting_steps_and_tells_the_stages_above(smollm2, slice_cache, expected):
+    """What the stage above a dead link does: every step waiting at the head fails at once with
+    UNAVAILABLE naming the stage that went away, and the head stops calling itself ready."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt, _ = expected
+    stages = chain(smollm2, slice_cache, direct=True)
+    try:
+        gate = threading.Event()
+        final = stages[2]
+        original = final.accept_frame
+
+        def stuck(hop, sink):  # the final stage takes the frame and never answers
+            gate.wait(10)
+        final.accept_frame = stuck
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(step, stages[0], "s", 0, prompt)
+            while not len(stages[0].returns._waiting):
+                pass
+            lost = DownstreamError("stage stage-2 at local failed: UNAVAILABLE: frame link broke",
+                                   stage_id="stage-2")
+            stages[1]._link_broken(stages[1].downstream, lost)
+            gate.set()
+            with pytest.raises(DownstreamError) as info:
+                waiting.result(5)
+        final.accept_frame = original
+        assert info.value.stage_id == "stage-2" and info.value.code_name == "UNAVAILABLE"
+        assert not stages[1].ready
+        # The head frees the session it started (the scheduler's recovery drops it everywhere).
+        assert stages[0].runtime.stats().active_sessions == 0
+    finally:
+        close(stages)
