@@ -88,6 +88,8 @@ class DownstreamClient:
         self.hop_timeout_s = hop_timeout_s
         self.transport = transport
         creds = credentials or Credentials()
+        self._tls = creds.tls
+        self._stage_id = stage_id
         self._metadata = creds.call_metadata()
         self._channel = creds.channel(peer.endpoint, channel_options(max_message_bytes))
         self._stub = pb_grpc.StageServiceStub(self._channel)
@@ -158,10 +160,27 @@ class DownstreamClient:
         try:
             resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except grpc.RpcError as err:
-            return HealthProbe(False, f"stage {self.peer.stage_id} at {self.peer.endpoint}: {err.code().name}")
+            detail = f"stage {self.peer.stage_id} at {self.peer.endpoint}: {err.code().name}"
+            if err.code() == grpc.StatusCode.UNAVAILABLE and self._accepts_tcp(timeout_s):
+                # Something listens there but does not speak gRPC the way this stage does.
+                detail += (f"; it accepts connections but does not answer this stage's gRPC "
+                           f"{'over TLS' if self._tls else 'in plaintext'} ({self._stage_id} has TLS "
+                           f"{'on' if self._tls else 'off'}): are tls_cert_path/tls_ca_path set alike on "
+                           f"{self._stage_id} and {self.peer.stage_id}?")
+            return HealthProbe(False, detail)
         if resp.status != health_pb2.HealthCheckResponse.SERVING:
             return HealthProbe(False, f"stage {self.peer.stage_id} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
         return HealthProbe(True, "")
+
+    def _accepts_tcp(self, timeout_s: float) -> bool:
+        import socket
+
+        host, _, port = self.peer.endpoint.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 0.5)).close()
+            return True
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         with self._lock:

@@ -48,6 +48,8 @@ GIB = 1 << 30
 
 DEFAULT_OVERHEAD_MIB = 512
 DEFAULT_PORT = 7000
+# The TCP frame listener (StageConfig.frame_port): fixed, so a Service can forward it.
+DEFAULT_FRAME_PORT = DEFAULT_PORT + 1
 DEFAULT_METRICS_PORT = 9100
 DEFAULT_IMAGE = "skippy-stage:latest"
 DEFAULT_MODEL_DIR = "/models"
@@ -482,11 +484,16 @@ def stage_configs(
     *,
     run_id: str = "skippy",
     port: int = DEFAULT_PORT,
+    frame_port: int = DEFAULT_FRAME_PORT,
     metrics_port: int | None = DEFAULT_METRICS_PORT,
     cache_dir: str | None = CONTAINER_CACHE_DIR,
     n_gpu_layers: int = -1,
 ) -> list[dict[str, Any]]:
-    """One StageConfig dict per stage, chained upstream to downstream at ``<node>:<port>``."""
+    """One StageConfig dict per stage, chained upstream to downstream at ``<node>:<port>``.
+
+    Every stage's frame listener is fixed at ``frame_port`` (peers find it through GetStatus;
+    a Kubernetes Service forwards only the ports it declares).
+    """
     flash = "disabled" if plan.cache_type in _UNQUANTISED else "enabled"  # llama.cpp: quantised V needs it
     stages = plan.stages
     configs = []
@@ -501,6 +508,7 @@ def stage_configs(
             "layer_start": stage.layer_start,
             "layer_end": stage.layer_end,
             "bind_addr": f"0.0.0.0:{port}",
+            "frame_port": frame_port,
             "ctx_size": plan.kv_cells,
             "lane_count": plan.lanes,
             "cache_type_k": plan.cache_type,
@@ -519,7 +527,8 @@ def stage_configs(
             down = stages[i + 1].node
             cfg["downstream"] = {"stage_id": down, "stage_index": i + 1, "endpoint": f"{down}:{port}"}
         elif i > 0:
-            # Sampled tokens straight back to the head (the relay stays the backstop).
+            # Sampled tokens straight back to the head's frame listener; relayed up the edges only
+            # when it cannot be reached.
             head = stages[0].node
             cfg["return_to"] = {"stage_id": head, "stage_index": 0, "endpoint": f"{head}:{port}"}
         configs.append(cfg)
@@ -586,10 +595,11 @@ def compose_document(configs: list[dict[str, Any]], *, image: str = DEFAULT_IMAG
 
 
 def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT,
+                  frame_port: int = DEFAULT_FRAME_PORT,
                   memory_request_bytes: int | None = None, memory_limit_bytes: int | None = None,
                   node_selector: dict[str, str] | None = None, models_host_path: str = DEFAULT_MODEL_DIR,
                   ) -> list[dict[str, Any]]:
-    """ConfigMap, Deployment and Service for one stage."""
+    """ConfigMap, Deployment and Service for one stage; both declare ``frame_port`` as ``frames``."""
     name, run_id = cfg["stage_id"], cfg["run_id"]
     labels = {
         "app.kubernetes.io/name": "skippy-stage",
@@ -606,7 +616,10 @@ def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int 
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "args": ["serve", "--config", "/config/stage.json", "--grace", str(DRAIN_GRACE_S)],
-        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "grpc", "containerPort": port, "protocol": "TCP"},
+            {"name": "frames", "containerPort": frame_port, "protocol": "TCP"},
+        ],
         "startupProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 120},
         "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 2},
         # A stage also reports NOT_SERVING while its downstream is down, so liveness waits
@@ -647,7 +660,10 @@ def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int 
     }
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
-    service_ports = [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]
+    service_ports = [
+        {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"},
+        {"name": "frames", "port": frame_port, "targetPort": "frames", "protocol": "TCP"},
+    ]
     if metrics is not None:
         service_ports.append({"name": "metrics", "port": metrics, "targetPort": "metrics", "protocol": "TCP"})
     return [
@@ -684,6 +700,7 @@ def write_plan(
     *,
     run_id: str = "skippy",
     port: int = DEFAULT_PORT,
+    frame_port: int = DEFAULT_FRAME_PORT,
     metrics_port: int | None = DEFAULT_METRICS_PORT,
     image: str = DEFAULT_IMAGE,
     pin_nodes: bool = False,
@@ -696,10 +713,13 @@ def write_plan(
     """
     if not _LABEL_VALUE.match(run_id):
         raise PlanError(f"run_id {run_id!r} must be a Kubernetes label value (letters, digits, '-', '_', '.')")
+    if frame_port == port or (metrics_port is not None and frame_port == metrics_port):
+        raise PlanError(f"frame port {frame_port} must differ from the gRPC and metrics ports")
     out = Path(out_dir)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "k8s").mkdir(parents=True, exist_ok=True)
-    configs = stage_configs(plan, model_path, run_id=run_id, port=port, metrics_port=metrics_port)
+    configs = stage_configs(plan, model_path, run_id=run_id, port=port, frame_port=frame_port,
+                            metrics_port=metrics_port)
     written: list[Path] = []
     header = (f"# Written by `skippy-stage plan` for {plan.model.path.name}: "
               f"{', '.join(f'{s.node}={s.layer_start}:{s.layer_end}' for s in plan.stages)}.\n")
@@ -717,7 +737,7 @@ def write_plan(
     written.append(compose)
     for cfg, stage in zip(configs, plan.stages):
         docs = k8s_documents(
-            cfg, image=image, port=port, memory_request_bytes=stage.total_bytes,
+            cfg, image=image, port=port, frame_port=frame_port, memory_request_bytes=stage.total_bytes,
             memory_limit_bytes=max(stage.budget_bytes, stage.total_bytes),
             node_selector={"kubernetes.io/hostname": stage.node} if pin_nodes else None,
         )
@@ -751,7 +771,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"where the nodes see the model file (default {DEFAULT_MODEL_DIR}, the volume the files mount)")
     p.add_argument("--run-id", default="skippy")
     p.add_argument("--image", default=DEFAULT_IMAGE)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port of every stage (default {DEFAULT_PORT})")
+    p.add_argument("--frame-port", type=int, default=DEFAULT_FRAME_PORT,
+                   help=f"TCP frame listener port of every stage, exposed by each Service (default {DEFAULT_FRAME_PORT})")
     p.add_argument("--pin-nodes", action="store_true",
                    help="pin each Kubernetes Deployment to the node of the same name (kubernetes.io/hostname)")
     p.set_defaults(func=cmd_plan)
@@ -765,8 +787,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.format_table(), flush=True)
     if args.out:
         model_path = f"{args.model_dir.rstrip('/')}/{Path(args.model).name}"
-        written = write_plan(plan, args.out, model_path, run_id=args.run_id, port=args.port, image=args.image,
-                             pin_nodes=args.pin_nodes)
+        written = write_plan(plan, args.out, model_path, run_id=args.run_id, port=args.port,
+                             frame_port=args.frame_port, image=args.image, pin_nodes=args.pin_nodes)
         print(f"# wrote {len(written)} files under {args.out}: configs/, compose.yaml, k8s/", file=sys.stderr)
     return 0
 

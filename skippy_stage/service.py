@@ -8,6 +8,7 @@ trailing metadata ``skippy-failed-stage`` so upstream stages relay it unchanged.
 
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import signal
@@ -118,28 +119,56 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def ActivationStream(self, request_iterator, context):  # noqa: N802
         """Frames from the upstream neighbour (hop_transport "stream"), each run on the thread
         that reads them; the response stream is this edge's back channel (errors, relayed
-        outputs), fed from whichever thread has one to send."""
+        outputs), fed from whichever thread has one to send. Once the caller stops sending,
+        the stream stays open until every frame that asked for its outputs (``relay``) has
+        had its reply, or its deadline passed."""
         replies: queue.SimpleQueue = queue.SimpleQueue()
         done = object()
-        sink = replies.put
+        lock = threading.Lock()
+        awaited: collections.Counter[int] = collections.Counter()
+        last_deadline = [time.monotonic()]
+
+        def sink(reply: pb.HopReply) -> None:
+            with lock:
+                if awaited[reply.hop_id] > 0:
+                    awaited[reply.hop_id] -= 1
+            replies.put(reply)
 
         def read() -> None:
-            self.stage.inbound.add(sink)
             try:
                 for hop in request_iterator:
+                    if hop.relay:
+                        with lock:
+                            awaited[hop.hop_id] += 1
+                            wait = min(hop.timeout_s or self.stage.timeouts.hop_s, self.stage.timeouts.hop_s)
+                            last_deadline[0] = max(last_deadline[0], time.monotonic() + wait)
                     self.stage.accept_frame(hop, sink)
             except grpc.RpcError:
                 pass  # the upstream went away
             finally:
-                self.stage.inbound.discard(sink)
                 replies.put(done)
 
+        self.stage.inbound.add(sink)
         threading.Thread(target=read, name="activation-stream", daemon=True).start()
-        while True:
-            reply = replies.get()
-            if reply is done:
-                return
-            yield reply
+        reading = True
+        try:
+            while True:
+                if not reading:
+                    with lock:
+                        outstanding = sum(awaited.values())
+                    remaining = last_deadline[0] - time.monotonic()
+                    if outstanding == 0 or remaining <= 0 or not context.is_active():
+                        return
+                try:
+                    reply = replies.get(timeout=None if reading else min(remaining, 0.1))
+                except queue.Empty:
+                    continue
+                if reply is done:
+                    reading = False
+                    continue
+                yield reply
+        finally:
+            self.stage.inbound.discard(sink)
 
     def ReturnResults(self, request_iterator, context):  # noqa: N802
         """The final stage's direct returns: each settles the head's step waiting on its key."""

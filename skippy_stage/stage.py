@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -96,6 +98,34 @@ class Inbound:
         return len(sinks)
 
 
+class Routes:
+    """Which upstream edge (and hop id on it) each recent step came in on, by return key, so a
+    reply from below goes back up the edge its frame came down. Bounded: the oldest are
+    forgotten first (a step that went well leaves no reply to take its route); a reply
+    without a route is sent up every edge."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._limit = limit
+        self._routes: OrderedDict[str, tuple[Callable[[pb.HopReply], None], int]] = OrderedDict()
+
+    def claim(self, key: str, sink: Callable[[pb.HopReply], None], hop_id: int) -> str:
+        """Route replies for ``key`` to ``sink``; the key to send down. A key that is empty or
+        already routed (never from a real head, whose keys are random) gets a fresh one, so
+        no client can make replies of another step, or the "edge broke" of an empty key, its own."""
+        with self._lock:
+            if not key or key in self._routes:
+                key = uuid.uuid4().hex
+            self._routes[key] = (sink, hop_id)
+            while len(self._routes) > self._limit:
+                self._routes.popitem(last=False)
+        return key
+
+    def take(self, key: str) -> tuple[Callable[[pb.HopReply], None], int] | None:
+        with self._lock:
+            return self._routes.pop(key, None)
+
+
 def error_reply(exc: SkippyError, *, return_key: str, session_ids: list[str], hop_id: int = 0,
                 stage_id: str = "") -> pb.HopReply:
     """The back-channel message for a failed frame. ``failed_stage`` names the stage that failed:
@@ -123,6 +153,7 @@ class Stage:
         self.metrics = StageMetrics(config.stage_id)
         self.returns = ReturnBox()
         self.inbound = Inbound()
+        self.routes = Routes()
         # The TCP frame listener's port once it listens (advertised in GetStatus).
         self.frame_port = 0
         self.downstream = self.client_for(config.downstream) if config.downstream is not None else None
@@ -255,7 +286,8 @@ class Stage:
         return entries, results
 
     def _pass_on(self, request: pb.IterationBatchRequest, results, *, relay: bool,  # noqa: ANN001
-                 remaining_s: float | None, sink: Callable[[pb.HopReply], None] | None) -> pb.IterationBatchResponse | None:
+                 remaining_s: float | None, sink: Callable[[pb.HopReply], None] | None,
+                 hop_id: int = 0) -> pb.IterationBatchResponse | None:
         """Hand this stage's output on: a frame to the downstream, or (final stage) the outputs
         to the head, to ``sink`` (relayed up one edge), or returned (None when sent)."""
         downstream = self.downstream
@@ -267,7 +299,7 @@ class Stage:
                     return None
             if sink is None:
                 return response
-            sink(pb.HopReply(return_key=request.return_key, response=response))
+            sink(pb.HopReply(hop_id=hop_id, return_key=request.return_key, response=response))
             self.metrics.returns(path="relayed").inc()
             return None
         forward = forward_request(request, results, self.shape)
@@ -286,7 +318,10 @@ class Stage:
         request = hop.request
         try:
             _, results = self._run_local(request)
-            self._pass_on(request, results, relay=hop.relay, remaining_s=hop.timeout_s or None, sink=sink)
+            if self.downstream is not None:
+                request.return_key = self.routes.claim(request.return_key, sink, hop.hop_id)
+            self._pass_on(request, results, relay=hop.relay, remaining_s=hop.timeout_s or None, sink=sink,
+                          hop_id=hop.hop_id)
             self.metrics.requests(rpc="Frame", code="OK").inc()
         except SkippyError as exc:
             sessions = [e.session_id for e in request.entries][:1024]
@@ -350,7 +385,7 @@ class Stage:
         if reply.code == 0:
             if self.returns.deliver(reply.return_key, reply.response):
                 self.metrics.returns(path="relay").inc()
-            elif not self.inbound.broadcast(reply):
+            elif not self._up(reply):
                 self.log.warning("relayed outputs nobody waits for", return_key=reply.return_key[:64])
             return
         error = (downstream.reply_error(reply) if downstream is not None else
@@ -367,7 +402,17 @@ class Stage:
             self.inbound.broadcast(reply)
             return
         if not self.returns.fail(reply.return_key, error):
-            self.inbound.broadcast(reply)
+            self._up(reply)
+
+    def _up(self, reply: pb.HopReply) -> bool:
+        """Send a reply from below up the edge its step came down (every edge if unknown)."""
+        route = self.routes.take(reply.return_key)
+        if route is None:
+            return self.inbound.broadcast(reply) > 0
+        sink, hop_id = route
+        reply.hop_id = hop_id
+        sink(reply)
+        return True
 
     def _link_broken(self, client: DownstreamClient | None, error: DownstreamError) -> None:
         """The link to the downstream broke: fail every step waiting here, tell the stages above."""

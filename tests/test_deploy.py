@@ -58,8 +58,12 @@ def by_kind(docs: list[dict]) -> dict[str, dict]:
     return kinds
 
 
-def check_stage_manifests(docs: list[dict], *, port: int = 7000) -> StageConfig:
-    """One stage's ConfigMap + Deployment/StatefulSet + Service, wired to each other."""
+def check_stage_manifests(docs: list[dict], *, port: int = 7000, frame_port: int = 7001) -> StageConfig:
+    """One stage's ConfigMap + Deployment/StatefulSet + Service, wired to each other.
+
+    The frame listener is fixed at ``frame_port`` and declared by the container and the Service
+    (a Service forwards only the ports it declares; peers dial it for frames and direct returns).
+    """
     kinds = by_kind(docs)
     workload = kinds.get("Deployment") or kinds.get("StatefulSet")
     assert workload is not None and "ConfigMap" in kinds and "Service" in kinds, sorted(kinds)
@@ -73,9 +77,19 @@ def check_stage_manifests(docs: list[dict], *, port: int = 7000) -> StageConfig:
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
     assert {"name": "grpc", "port": port} in [{k: p[k] for k in ("name", "port")} for p in service["spec"]["ports"]]
+    assert config.frame_port == frame_port, "a fixed frame listener port, not any free one"
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert "frames" in service_ports, "the Service forwards the frame listener"
+    assert service_ports["frames"]["port"] == frame_port
+    assert service_ports["frames"]["targetPort"] == "frames"
+    assert service_ports["frames"].get("protocol", "TCP") == "TCP"
 
     spec = pod["spec"]
     (container,) = spec["containers"]
+    container_ports = {p["name"]: p for p in container["ports"]}
+    assert "frames" in container_ports, "the container declares the frame listener"
+    assert container_ports["frames"]["containerPort"] == frame_port
+    assert container_ports["frames"].get("protocol", "TCP") == "TCP"
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == port, probe
     bind = parse_endpoint(config.bind_addr, stage_id=config.stage_id, field_name="bind_addr", allow_port_zero=True)
@@ -198,6 +212,7 @@ def test_k8s_stages_are_wired_and_chained() -> None:
 def test_every_stage_config_under_deploy_loads(path: Path) -> None:
     config = load_config(path)
     assert config.bind_addr == "0.0.0.0:7000"
+    assert config.frame_port == 7001, "the port the k8s Services forward as frames"
 
 
 def test_deploy_configs_split_smollm2_0_10_20_30(smollm2: Path) -> None:

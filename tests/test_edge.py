@@ -1,5 +1,6 @@
 """Each edge is agreed at start-up: a stage whose downstream does not continue its layers
-(or has another width) never reports SERVING, and says why."""
+(or has another width, or takes frames over another transport) never reports SERVING, and
+says why, naming both ends."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 
-def test_a_downstream_that_does_not_continue_the_layers_keeps_the_head_not_serving(smollm2, slice_cache, tmp_path):
+def two_stages(smollm2, slice_cache) -> list[dict]:
     ports = _free_ports("127.0.0.1", 2)
-    configs = pipeline_configs(str(smollm2), [(0, 10), (10, 30)], host="127.0.0.1", ports=ports,
-                               extra={"cache_dir": str(slice_cache), "n_threads": 1})
-    configs[1]["layer_start"] = 15  # stage-1 serves 15:30: layers 10..14 would be skipped
+    return pipeline_configs(str(smollm2), [(0, 10), (10, 30)], host="127.0.0.1", ports=ports,
+                            extra={"cache_dir": str(slice_cache), "n_threads": 1})
+
+
+def head_refusal(configs, tmp_path) -> pb.StageStatus:
+    """Start the stages and wait for the head to say why it refuses its edge; the head must then
+    be NOT_SERVING for readiness and SERVING for liveness."""
     pipeline = LocalPipeline(configs, tmp_path)
     try:
         head = str(configs[0]["bind_addr"])
@@ -35,12 +40,29 @@ def test_a_downstream_that_does_not_continue_the_layers_keeps_the_head_not_servi
                     pass
                 time.sleep(0.2)
             assert status is not None
-            assert "layer_start=15" in status.downstream_error and "layer_end=10" in status.downstream_error
             assert not status.downstream_ok
             check = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
             assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
             # Not ready, but alive: a liveness probe must not restart it for its neighbour's fault.
             alive = health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
             assert alive.status == health_pb2.HealthCheckResponse.SERVING
+            return status
     finally:
         pipeline.stop()
+
+
+def test_a_downstream_that_does_not_continue_the_layers_keeps_the_head_not_serving(smollm2, slice_cache, tmp_path):
+    configs = two_stages(smollm2, slice_cache)
+    configs[1]["layer_start"] = 15  # stage-1 serves 15:30: layers 10..14 would be skipped
+    status = head_refusal(configs, tmp_path)
+    assert "layer_start=15" in status.downstream_error and "layer_end=10" in status.downstream_error
+
+
+def test_neighbours_on_different_frame_transports_are_refused_naming_both_ends(smollm2, slice_cache, tmp_path):
+    configs = two_stages(smollm2, slice_cache)
+    configs[0]["hop_transport"] = "tcp"
+    configs[1]["hop_transport"] = "stream"
+    status = head_refusal(configs, tmp_path)
+    error = status.downstream_error
+    assert "edge to stage stage-1 refused" in error
+    assert "hop_transport='stream'" in error and "(stage-0) sends them over 'tcp'" in error

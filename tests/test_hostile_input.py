@@ -1051,7 +1051,9 @@ class Case:
             raise AssertionError(op)
 
     def stream(self, op: StreamOp) -> None:
-        hops = [pb.HopRequest(hop_id=hop_id, request=self._build(spec, op.stage), timeout_s=timeout)
+        # relay: the outputs come back on this stream, so every hop gets exactly one reply (its
+        # outputs, or its error); frames from a real neighbour send them on to the head instead.
+        hops = [pb.HopRequest(hop_id=hop_id, request=self._build(spec, op.stage), timeout_s=timeout, relay=True)
                 for hop_id, spec, timeout in op.hops]
         what = f"ActivationStream to stage-{op.stage}"
         try:

@@ -19,6 +19,7 @@ from test_deploy import check_chain, check_stage_manifests, compose_service_conf
 
 from skippy_stage.config import load_config
 from skippy_stage.planner import (
+    DEFAULT_FRAME_PORT,
     GIB,
     MIB,
     ModelFootprint,
@@ -229,6 +230,7 @@ def test_written_configs_load_and_chain(written: tuple[Path, list[Path]]) -> Non
         assert (config.lane_count, config.cache_type_k, config.cache_type_v) == (8, "q8_0", "q8_0")
         assert config.flash_attn_type == "enabled", "llama.cpp needs flash attention for a quantised V cache"
         assert config.bind_addr == "0.0.0.0:7000" and config.run_id == "test-run"
+        assert config.frame_port == DEFAULT_FRAME_PORT == 7001, "a fixed frame listener a Service can forward"
     assert configs[-1].layer_end == N_LAYERS
     assert {p.relative_to(out).as_posix() for p in files} == {
         "configs/gpu-a.json", "configs/gpu-b.json", "configs/gpu-c.json", "compose.yaml",
@@ -287,6 +289,29 @@ def test_plan_command_prints_the_table_and_writes_files(smollm2: Path, tmp_path:
     config = json.loads((tmp_path / "configs" / "a.json").read_text())
     assert config["model_path"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert (tmp_path / "compose.yaml").is_file() and (tmp_path / "k8s" / "c.yaml").is_file()
+
+
+def test_plan_command_frame_port_reaches_configs_and_manifests(smollm2: Path, tmp_path: Path, capsys) -> None:
+    args = parse(["plan", "--model", str(smollm2), "--nodes", "a=1,b=1", "--port", "7100", "--frame-port", "7205",
+                  "--out", str(tmp_path)])
+    assert args.frame_port == 7205 and args.func(args) == 0
+    capsys.readouterr()
+    for name in ("a", "b"):
+        config = load_config(tmp_path / "configs" / f"{name}.json")
+        assert (config.frame_port, config.bind_addr) == (7205, "0.0.0.0:7100")
+        docs = load_docs(tmp_path / "k8s" / f"{name}.yaml")
+        for doc in docs:
+            validate_manifest(doc)
+        assert check_stage_manifests(docs, port=7100, frame_port=7205) == config
+    assert parse(["plan", "--model", str(smollm2), "--nodes", "a=1"]).frame_port == DEFAULT_FRAME_PORT
+
+
+def test_plan_refuses_a_frame_port_that_clashes(footprint: ModelFootprint, tmp_path: Path) -> None:
+    plan = plan_stages(footprint, nodes("a=1,b=1"))
+    for kwargs in ({"frame_port": 7000}, {"frame_port": 9100}, {"port": 7001}):
+        with pytest.raises(PlanError, match="frame port"):
+            write_plan(plan, tmp_path, "/models/m.gguf", **kwargs)
+    assert not any(tmp_path.iterdir()), "nothing is written for a clash"
 
 
 def test_plan_command_refuses_what_does_not_fit(smollm2: Path, tmp_path: Path) -> None:
