@@ -117,13 +117,13 @@ def stage_threads(n_stages: int) -> int:
 
 class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
-                 transport: str = "stream", return_path: str = "direct") -> None:
+                 transport: str | None = None, return_path: str = "direct") -> None:
         threads = stage_threads(len(ranges))
         ports = _free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
-            "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 2, "cache_dir": cache_dir,
-            "hop_transport": transport,
+            "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
+            **({"hop_transport": transport} if transport else {}),
         }, return_path=return_path)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
