@@ -106,7 +106,7 @@ class DownstreamClient:
                                       on_reply=on_reply, on_broken=on_broken)
 
     def timeout_for(self, remaining: float | None) -> float:
-        return self.hop_timeout_s if remaining is None else max(0.001, min(remaining, self.hop_timeout_s))
+        return timeout_for(remaining, self.hop_timeout_s)
 
     def _translate(self, err: grpc.RpcError) -> DownstreamError:
         code = err.code()
@@ -190,6 +190,14 @@ class DownstreamClient:
                 self._channel.close()
 
 
+def timeout_for(remaining: float | None, cap_s: float) -> float:
+    """A call's deadline: what is left of the caller's (at least 1 ms), capped by the hop
+    timeout. No deadline, or a client's NaN, means the cap."""
+    if remaining is None or remaining != remaining:
+        return cap_s
+    return max(0.001, min(remaining, cap_s))
+
+
 def reply_error(peer: PeerConfig, reply: pb.HopReply) -> DownstreamError:
     """The DownstreamError a back-channel error from ``peer``'s edge stands for."""
     code = _CODE_BY_VALUE.get(reply.code, grpc.StatusCode.UNKNOWN)
@@ -216,7 +224,7 @@ class LocalDownstream:
         self.hop = hops.LocalHop(peer, target, on_reply=on_reply, on_broken=on_broken)
 
     def timeout_for(self, remaining: float | None) -> float:
-        return self.hop_timeout_s if remaining is None else max(0.001, min(remaining, self.hop_timeout_s))
+        return timeout_for(remaining, self.hop_timeout_s)
 
     def send(self, hop: pb.HopRequest) -> None:
         self.hop.send(hops.stamp(hop))

@@ -19,6 +19,7 @@ unacknowledged.
 from __future__ import annotations
 
 import enum
+import select
 import socket
 import ssl
 import struct
@@ -116,6 +117,16 @@ class FrameSocket:
         body = bytearray(length - 1)
         self._read_exact(body, length - 1)
         return kind, bytes(body)
+
+    def readable(self) -> bool:
+        """Whether more bytes have arrived already (so a receive would not wait for the peer)."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True
+        try:
+            ready, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(ready)
 
     def close(self) -> None:
         try:

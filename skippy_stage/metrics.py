@@ -34,6 +34,8 @@ class StageMetrics:
         self.hop_latency_seconds = Histogram(
             "skippy_hop_latency_seconds", "Seconds from the upstream handing a frame to its transport to this stage "
             "starting on it (clocks of both hosts; exact on one host)", buckets=_HOP_BUCKETS, registry=r)
+        self.coalesced_frames = Counter("skippy_coalesced_frames", "Frames that arrived together and ran in one "
+                                        "llama_decode with others", registry=r)
         self.activation_bytes = Counter("skippy_activation_bytes", "Activation payload bytes, by direction and codec",
                                         ["direction", "codec"], registry=r)
         self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",

@@ -129,10 +129,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
         last_deadline = [time.monotonic()]
 
         def sink(reply: pb.HopReply) -> None:
-            with lock:
+            with lock:  # queued before it stops being awaited: the stream never ends between the two
+                replies.put(reply)
                 if awaited[reply.hop_id] > 0:
                     awaited[reply.hop_id] -= 1
-            replies.put(reply)
 
         def read() -> None:
             try:
@@ -140,7 +140,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     if hop.relay:
                         with lock:
                             awaited[hop.hop_id] += 1
-                            wait = min(hop.timeout_s or self.stage.timeouts.hop_s, self.stage.timeouts.hop_s)
+                            wait = self.stage.timeouts.hop_s
+                            if 0 < hop.timeout_s < wait:  # NaN and nonsense fall back to the cap
+                                wait = hop.timeout_s
                             last_deadline[0] = max(last_deadline[0], time.monotonic() + wait)
                     self.stage.accept_frame(hop, sink)
             except grpc.RpcError:
@@ -158,7 +160,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
                         outstanding = sum(awaited.values())
                     remaining = last_deadline[0] - time.monotonic()
                     if outstanding == 0 or remaining <= 0 or not context.is_active():
-                        return
+                        while True:  # what the sink put in before the count reached zero
+                            try:
+                                yield replies.get_nowait()
+                            except queue.Empty:
+                                return
                 try:
                     reply = replies.get(timeout=None if reading else min(remaining, 0.1))
                 except queue.Empty:

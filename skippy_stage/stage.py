@@ -101,8 +101,7 @@ class Inbound:
 class Routes:
     """Which upstream edge (and hop id on it) each recent step came in on, by return key, so a
     reply from below goes back up the edge its frame came down. Bounded: the oldest are
-    forgotten first (a step that went well leaves no reply to take its route); a reply
-    without a route is sent up every edge."""
+    forgotten first (a step that went well leaves no reply to take its route)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self._lock = threading.Lock()
@@ -268,22 +267,31 @@ class Stage:
 
     # -- the frame path --------------------------------------------------------------
 
-    def _run_local(self, request: pb.IterationBatchRequest):  # noqa: ANN202
-        """Validate the batch and run it through this stage's layers: its entries and results."""
+    def _prepare(self, request: pb.IterationBatchRequest):  # noqa: ANN202
+        """Validate one batch (no llama.cpp yet): its runtime entries."""
         runtime = self.require_runtime()
         if len(request.return_key) > 64:
             raise InvalidRequestError(f"return_key must be at most 64 characters, got {len(request.return_key)}")
         entries = entries_from_request(request, self.shape)
         self._check_reply_fits(request, runtime.n_vocab)
-        m = self.metrics
         if request.HasField("frame"):
-            m.activation_bytes.labels("received", _codec(request)).inc(len(request.frame.payload))
+            self.metrics.activation_bytes.labels("received", _codec(request)).inc(len(request.frame.payload))
+        return entries
+
+    def _compute(self, entries):  # noqa: ANN001, ANN202
+        """One llama_decode over ``entries`` (of one batch, or of several frames coalesced)."""
+        m = self.metrics
         started = time.perf_counter()
-        results = runtime.run_batch(entries)
+        results = self.require_runtime().run_batch(entries)
         m.compute_seconds.observe(time.perf_counter() - started)
         m.batch_entries.observe(len(entries))
-        m.batch_tokens.observe(sum(len(e.positions) for e in request.entries))
-        return entries, results
+        m.batch_tokens.observe(sum(len(e.positions) for e in entries))
+        return results
+
+    def _run_local(self, request: pb.IterationBatchRequest):  # noqa: ANN202
+        """Validate the batch and run it through this stage's layers: its entries and results."""
+        entries = self._prepare(request)
+        return entries, self._compute(entries)
 
     def _pass_on(self, request: pb.IterationBatchRequest, results, *, relay: bool,  # noqa: ANN001
                  remaining_s: float | None, sink: Callable[[pb.HopReply], None] | None,
@@ -313,22 +321,91 @@ class Stage:
         Runs on the receiving thread: this stage's layers, then the frame on (or the outputs
         back). A failure frees the frame's sessions here and goes up ``sink`` naming them.
         """
+        self._observe_latency(hop)
+        try:
+            entries = self._prepare(hop.request)
+        except SkippyError as exc:
+            self._refuse(hop, exc, sink)
+            return
+        self._finish(hop, entries, sink, observed=True)
+
+    def accept_frames(self, hops: list[pb.HopRequest], sink: Callable[[pb.HopReply], None]) -> None:
+        """Frames that arrived together on one edge: run in one llama_decode, then each passed
+        on as its own frame (their steps may belong to different groups of the head). A frame
+        that fails validation is answered alone; if the joint decode is refused (say, a session
+        of one frame has no lane), each frame runs on its own, so one bad frame never fails
+        another (the runtime rolls a refused batch back entirely)."""
+        if len(hops) == 1:
+            self.accept_frame(hops[0], sink)
+            return
+        ready: list[tuple[pb.HopRequest, list]] = []
+        for hop in hops:
+            try:
+                ready.append((hop, self._prepare(hop.request)))
+            except SkippyError as exc:
+                self._refuse(hop, exc, sink)
+        budget = self.config.n_batch
+        groups: list[list[tuple[pb.HopRequest, list]]] = []
+        for item in ready:
+            tokens = sum(len(e.positions) for e in item[1])
+            if groups and budget >= tokens:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+                budget = self.config.n_batch
+            budget -= tokens
+        for group in groups:
+            if len(group) == 1:
+                self._finish(group[0][0], group[0][1], sink)
+                continue
+            self.metrics.coalesced_frames.inc(len(group))
+            for hop, _ in group:
+                self._observe_latency(hop)
+            try:
+                results = self._compute([e for _, entries in group for e in entries])
+            except SkippyError:
+                for hop, entries in group:
+                    self._finish(hop, entries, sink, observed=True)
+                continue
+            offset = 0
+            for hop, entries in group:
+                mine, offset = results[offset:offset + len(entries)], offset + len(entries)
+                self._send_on(hop, mine, sink)
+
+    def _observe_latency(self, hop: pb.HopRequest) -> None:
         if hop.sent_unix_ns:
             self.metrics.hop_latency_seconds.observe(max(0.0, (time.time_ns() - hop.sent_unix_ns) / 1e9))
+
+    def _finish(self, hop: pb.HopRequest, entries, sink, *, observed: bool = False) -> None:  # noqa: ANN001
+        """Run one validated frame alone and pass it on (errors go up ``sink``)."""
+        if not observed:
+            self._observe_latency(hop)
+        try:
+            results = self._compute(entries)
+        except SkippyError as exc:
+            self._refuse(hop, exc, sink)
+            return
+        self._send_on(hop, results, sink)
+
+    def _send_on(self, hop: pb.HopRequest, results, sink) -> None:  # noqa: ANN001
         request = hop.request
         try:
-            _, results = self._run_local(request)
             if self.downstream is not None:
                 request.return_key = self.routes.claim(request.return_key, sink, hop.hop_id)
             self._pass_on(request, results, relay=hop.relay, remaining_s=hop.timeout_s or None, sink=sink,
                           hop_id=hop.hop_id)
             self.metrics.requests(rpc="Frame", code="OK").inc()
         except SkippyError as exc:
-            sessions = [e.session_id for e in request.entries][:1024]
-            self._failed(exc, sessions, request.request_id)
-            self.metrics.requests(rpc="Frame", code=status_for(exc)[0].name).inc()
-            sink(error_reply(exc, return_key=request.return_key[:64], session_ids=sessions, hop_id=hop.hop_id,
-                             stage_id=self.config.stage_id))
+            self._refuse(hop, exc, sink)
+
+    def _refuse(self, hop: pb.HopRequest, exc: SkippyError, sink: Callable[[pb.HopReply], None]) -> None:
+        """A frame failed here or could not go on: free its sessions, say so up its edge."""
+        request = hop.request
+        sessions = [e.session_id for e in request.entries][:1024]
+        self._failed(exc, sessions, request.request_id)
+        self.metrics.requests(rpc="Frame", code=status_for(exc)[0].name).inc()
+        sink(error_reply(exc, return_key=request.return_key[:64], session_ids=sessions, hop_id=hop.hop_id,
+                         stage_id=self.config.stage_id))
 
     def _failed(self, exc: SkippyError, sessions: list[str], request_id: str) -> None:
         """A batch failed here or below: free its sessions on this stage (and, if the edge
@@ -386,7 +463,7 @@ class Stage:
             if self.returns.deliver(reply.return_key, reply.response):
                 self.metrics.returns(path="relay").inc()
             elif not self._up(reply):
-                self.log.warning("relayed outputs nobody waits for", return_key=reply.return_key[:64])
+                self.log.info("relayed outputs nobody waits for any more", return_key=reply.return_key[:64])
             return
         error = (downstream.reply_error(reply) if downstream is not None else
                  DownstreamError(reply.message, stage_id=reply.failed_stage or "below"))
@@ -405,10 +482,11 @@ class Stage:
             self._up(reply)
 
     def _up(self, reply: pb.HopReply) -> bool:
-        """Send a reply from below up the edge its step came down (every edge if unknown)."""
+        """Send a reply from below up the edge its step came down. One whose step has no route
+        here any more (a unary caller that gave up) is dropped: nobody above waits for it."""
         route = self.routes.take(reply.return_key)
         if route is None:
-            return self.inbound.broadcast(reply) > 0
+            return False
         sink, hop_id = route
         reply.hop_id = hop_id
         sink(reply)

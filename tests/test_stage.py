@@ -147,3 +147,51 @@ def test_a_broken_edge_fails_the_waiting_steps_and_tells_the_stages_above(smollm
         assert stages[0].runtime.stats().active_sessions == 0
     finally:
         close(stages)
+
+
+class _Collector:
+    """Stands in for the final stage below stage-1: keeps the frames it is sent."""
+
+    def __init__(self, config) -> None:
+        from skippy_stage.stage import Inbound
+
+        self.config = config
+        self.runtime = object()
+        self.inbound = Inbound()
+        self.frames: list[pb.HopRequest] = []
+
+    def accept_frame(self, hop, sink) -> None:
+        copy = pb.HopRequest()
+        copy.CopyFrom(hop)
+        self.frames.append(copy)
+
+
+def test_frames_that_arrive_together_run_in_one_decode_and_each_gets_its_own_outputs(smollm2, slice_cache, expected):
+    """Two sessions' frames reach the final stage at once: one llama_decode, two outputs, the
+    same tokens as each frame alone (separate lanes: a session's cells never mix)."""
+    prompt, tokens = expected
+    stages = chain(smollm2, slice_cache, direct=False)
+    final = stages[2]
+    collector = _Collector(final.config)
+    stages[1].connect_local(collector)
+    try:
+        for session in ("a", "b"):
+            with pytest.raises(DownstreamError):  # nothing answers: the collector keeps the frame
+                stages[0].process(pb.IterationBatchRequest(request_id=session, entries=[pb.BatchEntry(
+                    session_id=session, phase=pb.PHASE_PREFILL, positions=list(range(len(prompt))), token_ids=prompt,
+                    sample_last=True, sampling=sampling_to_pb(None))]), 0.2)
+        assert len(collector.frames) == 2
+        together: list[pb.HopReply] = []
+        final.accept_frames(collector.frames, together.append)
+        assert [r.code for r in together] == [0, 0]
+        assert [r.response.outputs[0].session_id for r in together] == ["a", "b"]
+        assert final.metrics.registry.get_sample_value("skippy_coalesced_frames_total") == 2
+        for session in ("a", "b"):
+            final.drop_session(session, 1.0)
+        alone: list[pb.HopReply] = []
+        for hop in collector.frames:
+            final.accept_frame(hop, alone.append)
+        assert [r.response.outputs[0].token for r in together] == [r.response.outputs[0].token for r in alone]
+        assert together[0].response.outputs[0].token == tokens[0]
+    finally:
+        close(stages)
