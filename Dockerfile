@@ -66,8 +66,9 @@ USER 10001:10001
 WORKDIR /home/skippy
 # Stage files sliced at start are cached here; mount a volume to keep them across restarts.
 VOLUME ["/var/cache/skippy-stage"]
-# 7000: gRPC (stage service, health, reflection); 9100: Prometheus metrics (metrics_port).
-EXPOSE 7000 9100
+# 7000: gRPC (stage service, health, reflection); 7001: TCP frames (frame_port, hop_transport "tcp");
+# 9100: Prometheus metrics (metrics_port).
+EXPOSE 7000 7001 9100
 # The standard gRPC health protocol, exit 0 only on SERVING (the head: only once the chain
 # below it answers; every stage: NOT_SERVING while it drains). Same check as the Compose files.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \

@@ -255,7 +255,7 @@ def test_dockerfile_is_multi_stage_non_root_with_a_grpc_healthcheck() -> None:
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the runtime runs as a non-root user"
     assert not any("build-essential" in args for _, args in runtime), "no compiler in the runtime image"
     assert any(op == "RUN" and "--no-index" in args and "/wheels" in args for op, args in runtime), "wheels only"
-    assert any(op == "EXPOSE" and "7000" in args.split() for op, args in runtime)
+    assert any(op == "EXPOSE" and {"7000", "7001"} <= set(args.split()) for op, args in runtime)
     (healthcheck,) = [args for op, args in steps if op == "HEALTHCHECK"]
     exec_form = json.loads(healthcheck[healthcheck.index("CMD") + 3:].strip())
     assert exec_form[:2] == ["python", "-c"]
