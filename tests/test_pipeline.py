@@ -106,9 +106,12 @@ def smollm2_texts(smollm2):
     return reference_texts(smollm2, PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("ranges", [[(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]], ids=["2-stage", "3-stage"])
-def test_generate_prints_exactly_what_the_unsplit_model_completes(ranges, smollm2, smollm2_texts, start_pipeline):
-    pipeline = start_pipeline(smollm2, ranges)
+@pytest.mark.parametrize("ranges, transport", [
+    ([(0, 15), (15, 30)], "tcp"), ([(0, 10), (10, 20), (20, 30)], "tcp"), ([(0, 10), (10, 20), (20, 30)], "stream"),
+], ids=["2-stage", "3-stage", "3-stage-over-the-grpc-stream"])
+def test_generate_prints_exactly_what_the_unsplit_model_completes(ranges, transport, smollm2, smollm2_texts,
+                                                                   start_pipeline):
+    pipeline = start_pipeline(smollm2, ranges, hop_transport=transport)
     try:
         for prompt, expected in zip(PROMPTS, smollm2_texts):
             assert cli_generate(pipeline.head_endpoint, prompt, MAX_TOKENS) == expected
@@ -144,8 +147,10 @@ def test_eight_concurrent_generations_equal_the_same_calls_made_one_at_a_time(sm
         pipeline.stop()
 
 
-def test_killing_a_downstream_stage_fails_generate_fast_and_frees_the_session_upstream(smollm2, start_pipeline):
-    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)], recovery_wait_s=0)
+@pytest.mark.parametrize("transport", ["tcp", "stream"])
+def test_killing_a_downstream_stage_fails_generate_fast_and_frees_the_session_upstream(smollm2, start_pipeline,
+                                                                                      transport):
+    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)], recovery_wait_s=0, hop_transport=transport)
     try:
         head = pipeline.head_endpoint
         first_piece = threading.Event()
@@ -175,7 +180,8 @@ def test_killing_a_downstream_stage_fails_generate_fast_and_frees_the_session_up
         assert isinstance(err, grpc.RpcError), f"Generate did not fail: {outcome}"
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         assert "stage-2" in err.details()
-        print(f"kill -9 of stage-2 to the client's UNAVAILABLE: {(outcome['at'] - killed_at) * 1e3:.0f} ms")
+        print(f"kill -9 of stage-2 to the client's UNAVAILABLE over {transport}: "
+              f"{(outcome['at'] - killed_at) * 1e3:.0f} ms")
         assert_no_active_sessions(pipeline.configs[:2])
         # Restarted, it serves again with no operator action anywhere else.
         pipeline.procs[2].wait()
