@@ -99,7 +99,8 @@ class Generator:
                 step_timeout_s=stage.timeouts.step_s, recovery_wait_s=cfg.recovery_wait_s,
             ),
             chain_ready=lambda: stage.ready,
-            step=stage.process,
+            # The previous step's tokens go to their handlers once this step's frame has left.
+            step=lambda request, timeout: stage.process(request, timeout, on_sent=self.scheduler.flush_events),
             drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.health_probe_s * 5),
             is_eog=runtime.is_eog,
             stage_id=cfg.stage_id,

@@ -130,6 +130,7 @@ class Scheduler:
         self._reserved = 0
         self._closed = False
         self._batch_ids = itertools.count()
+        self._local = threading.local()
         self.steps = 0
         self._workers = [
             threading.Thread(target=self._run, args=(i,), name=f"scheduler-{i}", daemon=True)
@@ -225,10 +226,13 @@ class Scheduler:
                     self._cond.wait(0.05)
             if closing:
                 return
+            if not batch:
+                self.flush_events()
             if batch:
                 try:
                     self._run_step(batch)
                 except Exception as exc:  # noqa: BLE001 - a dead worker would strand its sessions
+                    self.flush_events()
                     self.log.exception("scheduler step crashed", sessions=[t.session_id for t in batch])
                     failure = RuntimeFailure(f"the head's scheduler failed a step: {exc!r}")
                     for task in batch:
@@ -311,15 +315,38 @@ class Scheduler:
         if not ready:
             time.sleep(0.05)
 
+    def _emit(self, task: Task, token: int) -> None:
+        """Hand a sampled token to its waiting handler — once the next step's frame has left.
+
+        The handler's work (text, the client's stream) would otherwise wake up exactly when this
+        thread's next step needs the CPU and the GIL (the critical path: outputs in, next frame
+        out), on a host where the stages already share the cores. ``flush_events`` delivers
+        them: the step function calls it once the frame is sent, and the worker after every step.
+        """
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = []
+        pending.append((task, token))
+
+    def flush_events(self) -> None:
+        """Deliver the tokens this worker thread held back (see ``_emit``)."""
+        pending = getattr(self._local, "pending", None)
+        if pending:
+            for task, token in pending:
+                task.events.put(token)
+            pending.clear()
+
     def _run_step(self, batch: list[Task]) -> None:
         self._recover(batch)
         entries, plan = self._entries(batch)
         if not entries:
+            self.flush_events()
             return
         request = pb.IterationBatchRequest(request_id=f"step-{next(self._batch_ids)}", entries=entries)
         try:
             response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
+            self.flush_events()
             # UNAVAILABLE: a stage below is gone. NOT_FOUND from below: a stage lost sessions the
             # head still holds (it restarted between steps, or freed them after the chain broke
             # behind a direct return). Either way re-prefilling through the chain recovers them.
@@ -339,6 +366,7 @@ class Scheduler:
                     task.events.put(Failed(exc))
                     task.cancel()
             return
+        self.flush_events()  # the previous step's tokens, if the step function did not already
         self.steps += 1
         if len(response.outputs) != len(plan):
             exc = RuntimeFailure(f"stage {response.final_stage_id} answered {len(response.outputs)} outputs "
@@ -356,6 +384,7 @@ class Scheduler:
                 task.first_token_at = time.monotonic()
             token = out.token
             if self._is_eog(token):
+                self.flush_events()
                 task.events.put(End(FINISH_STOP))
                 task.cancel()
                 continue
@@ -365,8 +394,9 @@ class Scheduler:
                 task.history = list(task.prompt)
             task.generated += 1
             task.last_token = token
-            task.events.put(token)
+            self._emit(task, token)
             position = len(task.prompt) + task.generated - 1
             if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
+                self.flush_events()
                 task.events.put(End(FINISH_LENGTH))
                 task.cancel()

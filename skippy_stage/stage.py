@@ -420,18 +420,21 @@ class Stage:
                              sessions=sessions[:16], request_id=request_id)
 
     def process(self, request: pb.IterationBatchRequest, remaining_s: float | None, *,
-                relay: bool | None = None) -> pb.IterationBatchResponse:
+                relay: bool | None = None, on_sent: Callable[[], None] | None = None) -> pb.IterationBatchResponse:
         """Run one step from here down and wait for its outputs: the head's scheduler, and the
         unary IterationBatch / ActivationFrame / Decode calls.
 
         The head lets the final stage return straight to it; any other stage asks for the
-        outputs to be relayed back up to it (``relay``).
+        outputs to be relayed back up to it (``relay``). ``on_sent`` runs once this stage's part
+        is done (the frame sent on), before the wait.
         """
         if relay is None:
             relay = not self.config.include_embeddings
         entries, results = self._run_local(request)
         downstream = self.downstream
         if downstream is None:
+            if on_sent is not None:
+                on_sent()
             return response_from_results(results, self.config.stage_id)
         sessions = [e.session_id for e in entries]
         outcome = HopFuture()
@@ -441,6 +444,8 @@ class Stage:
         started = time.perf_counter()
         try:
             self._pass_on(request, results, relay=relay, remaining_s=timeout, sink=None)
+            if on_sent is not None:
+                on_sent()  # while the stages below work: the head's side jobs (the client's stream)
             try:
                 response = outcome.result(timeout=timeout + 0.05)
             except FutureTimeout:
