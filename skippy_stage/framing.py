@@ -69,7 +69,7 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def encode(kind: Kind, message) -> bytes:  # noqa: ANN001 - any of MESSAGE_TYPES
+def encode(kind: Kind, message) -> bytes:  # message: one of MESSAGE_TYPES
     body = message.SerializeToString()
     return _HEADER.pack(len(body) + 1, kind) + body
 
@@ -84,7 +84,7 @@ class FrameSocket:
         self._send_lock = threading.Lock()
         self._header = bytearray(_HEADER.size)
 
-    def send(self, kind: Kind, message) -> None:  # noqa: ANN001
+    def send(self, kind: Kind, message) -> None:
         data = encode(kind, message)
         try:
             with self._send_lock:
@@ -136,7 +136,7 @@ class FrameSocket:
         self.sock.close()
 
 
-def parse(kind: int, body: bytes, expected: Kind):  # noqa: ANN201
+def parse(kind: int, body: bytes, expected: Kind):
     """The message of ``body``, which must be of kind ``expected``; InvalidRequestError naming
     what was wrong otherwise (the link stays usable: the length prefix kept it in step)."""
     if kind != expected:

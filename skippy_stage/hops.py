@@ -156,7 +156,7 @@ class _StreamClosed(grpc.RpcError):
 class StreamHop:
     """Frames over one long-lived gRPC ActivationStream; reopened on the frame after a break."""
 
-    def __init__(self, peer: PeerConfig, stub: pb_grpc.StageServiceStub, metadata, *,  # noqa: ANN001
+    def __init__(self, peer: PeerConfig, stub: pb_grpc.StageServiceStub, metadata, *,
                  translate: Callable[[grpc.RpcError], DownstreamError], on_reply: OnReply,
                  on_broken: OnBroken) -> None:
         self.peer = peer
@@ -176,7 +176,7 @@ class StreamHop:
             if self._outbox is None:
                 outbox: queue.SimpleQueue = queue.SimpleQueue()
 
-                def requests():  # noqa: ANN202
+                def requests():
                     while (item := outbox.get()) is not None:
                         yield item
                 call = self._stub.ActivationStream(requests(), metadata=self._metadata)
@@ -188,7 +188,7 @@ class StreamHop:
     def send(self, hop: pb.HopRequest) -> None:
         self._open().put(hop)
 
-    def _read(self, call, outbox: queue.SimpleQueue) -> None:  # noqa: ANN001
+    def _read(self, call, outbox: queue.SimpleQueue) -> None:
         try:
             for reply in call:
                 self._on_reply(reply)

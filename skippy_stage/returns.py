@@ -119,7 +119,7 @@ class TcpReturn:
                 self._link = framing.dial(self._host, port, creds=self._creds, purpose=pb.FrameHello.PURPOSE_RETURN,
                                           stage_id=self._stage_id, max_message_bytes=self._max,
                                           timeout_s=CONNECT_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - any failure means "relay instead"
+            except Exception as exc:  # any failure means "relay instead"
                 self._backoff.trip()
                 self.log.warning("cannot reach the head for direct returns; relaying", error=str(exc))
                 return None
@@ -130,7 +130,7 @@ class TcpReturn:
         """The head sends nothing on this link: a read returning means it closed or broke."""
         try:
             link.receive()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         self._drop(link)
 
@@ -198,7 +198,7 @@ class StreamReturn:
                 return None
             outbox: queue.SimpleQueue = queue.SimpleQueue()
 
-            def items(box: queue.SimpleQueue = outbox):  # noqa: ANN202
+            def items(box: queue.SimpleQueue = outbox):
                 while (item := box.get()) is not None:
                     yield item
             self._call = self._stub.ReturnResults.future(items(), metadata=self._metadata)
@@ -225,7 +225,7 @@ class StreamReturn:
 class LocalReturn:
     """Outputs straight to a head in this process (stage logic tested without sockets)."""
 
-    def __init__(self, head) -> None:  # noqa: ANN001 - a Stage
+    def __init__(self, head) -> None:  # a Stage (not imported: it imports this module)
         self.head = head
 
     def send(self, key: str, response: pb.IterationBatchResponse) -> bool:
@@ -239,7 +239,7 @@ class LocalReturn:
 def _describe(call: grpc.Future) -> str:
     try:
         error = call.exception(timeout=0)
-    except Exception as exc:  # noqa: BLE001 - cancelled calls raise here
+    except Exception as exc:  # a cancelled call raises here
         return repr(exc)
     if error is None:
         return "closed by the head"
