@@ -373,9 +373,6 @@ def run(json_path: str | None = None) -> dict[str, object]:
     report: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="skippy-bench-") as tmp:
         cache_dir = str(Path(tmp) / "slices")
-        single = single_process(model, cores, cache_dir)
-        prefill: dict[str, float] = {"single_process": single["prefill_tps"]}
-        aggregate: dict[str, dict[str, float]] = {"single_process": single["aggregate"], "pipeline": {}}
         decode = _interleaved_decode(model, Path(tmp), cache_dir, cores)
         report["single_process_ms_per_token"] = decode["single"]["ms"]
         pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
@@ -386,15 +383,28 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["decode_rounds"] = {name: d["runs"] for name, d in decode.items()}
         (Path(tmp) / "aggregate").mkdir()
         pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp) / "aggregate", cache_dir)
+        # Batched decode and prefill, the single process and the pipeline alternating in rounds
+        # (medians), so a noisy moment of the host hits both alike.
+        single_runs: list[dict] = []
+        pipeline_runs: list[dict] = []
         try:
-            for c in CONCURRENCY:
-                aggregate["pipeline"][str(c)] = _aggregate(pipeline, c)
             runtime_text = _prefill_prompt(model, cache_dir)
             pipeline.generate(runtime_text, 1)  # warm
-            figures = pipeline.generate(runtime_text, 1)
-            prefill["pipeline"] = PREFILL_TOKENS / figures["ttft_s"]
+            for _ in range(DECODE_ROUNDS):
+                single_runs.append(single_process(model, cores, cache_dir))
+                figures = pipeline.generate(runtime_text, 1)
+                pipeline_runs.append({"prefill_tps": PREFILL_TOKENS / figures["ttft_s"],
+                                      "aggregate": {str(c): _aggregate(pipeline, c) for c in CONCURRENCY}})
         finally:
             pipeline.stop()
+
+        def median(runs: list[dict], key: str, sub: str | None = None) -> float:
+            return float(np.median([r[key][sub] if sub else r[key] for r in runs]))
+        prefill: dict[str, float] = {"single_process": median(single_runs, "prefill_tps"),
+                                     "pipeline": median(pipeline_runs, "prefill_tps")}
+        aggregate: dict[str, dict[str, float]] = {
+            name: {str(c): median(runs, "aggregate", str(c)) for c in CONCURRENCY}
+            for name, runs in (("single_process", single_runs), ("pipeline", pipeline_runs))}
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
         report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
                                         "tcp_frame": report["hop_floor_us"]["tcp_frame_round_trip_us"],
