@@ -147,7 +147,7 @@ class _Echo(pb_grpc.StageServiceServicer):
             yield pb.HopReply(hop_id=hop.hop_id)
 
 
-def _echo_server(port: int, socket_port: int, frame_port: int, ready) -> None:  # noqa: ANN001
+def _echo_server(port: int, socket_port: int, frame_port: int, ready) -> None:
     import socket
     from concurrent import futures
 
@@ -186,7 +186,7 @@ def _echo_server(port: int, socket_port: int, frame_port: int, ready) -> None:  
     server.stop(0)
 
 
-def _round_trips_us(send, wait, rounds: int) -> float:  # noqa: ANN001
+def _round_trips_us(send, wait, rounds: int) -> float:
     for i in range(rounds // 10):
         send(i)
         wait()

@@ -19,8 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skippy_stage import hops
 from skippy_stage.config import PeerConfig
-from skippy_stage.errors import DownstreamError
+from skippy_stage.errors import DownstreamError, SkippyError
 from skippy_stage.security import Credentials
+from skippy_stage.status import status_for
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -215,7 +216,7 @@ class LocalDownstream:
     (run on the sender's thread), control calls made directly. Stage logic is tested on it
     without sockets; it translates errors as the gRPC client does."""
 
-    def __init__(self, peer: PeerConfig, target, *, hop_timeout_s: float, on_reply: hops.OnReply,  # noqa: ANN001
+    def __init__(self, peer: PeerConfig, target, *, hop_timeout_s: float, on_reply: hops.OnReply,
                  on_broken: hops.OnBroken) -> None:
         self.peer = peer
         self.target = target
@@ -232,10 +233,7 @@ class LocalDownstream:
     def reply_error(self, reply: pb.HopReply) -> DownstreamError:
         return reply_error(self.peer, reply)
 
-    def _call(self, fn, *args):  # noqa: ANN001, ANN202
-        from skippy_stage.errors import SkippyError
-        from skippy_stage.status import status_for
-
+    def _call(self, fn, *args):
         try:
             return fn(*args)
         except DownstreamError:

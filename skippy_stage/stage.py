@@ -267,7 +267,7 @@ class Stage:
 
     # -- the frame path --------------------------------------------------------------
 
-    def _prepare(self, request: pb.IterationBatchRequest):  # noqa: ANN202
+    def _prepare(self, request: pb.IterationBatchRequest):
         """Validate one batch (no llama.cpp yet): its runtime entries."""
         runtime = self.require_runtime()
         if len(request.return_key) > 64:
@@ -278,7 +278,7 @@ class Stage:
             self.metrics.activation_bytes.labels("received", _codec(request)).inc(len(request.frame.payload))
         return entries
 
-    def _compute(self, entries):  # noqa: ANN001, ANN202
+    def _compute(self, entries):
         """One llama_decode over ``entries`` (of one batch, or of several frames coalesced)."""
         m = self.metrics
         started = time.perf_counter()
@@ -288,12 +288,12 @@ class Stage:
         m.batch_tokens.observe(sum(len(e.positions) for e in entries))
         return results
 
-    def _run_local(self, request: pb.IterationBatchRequest):  # noqa: ANN202
+    def _run_local(self, request: pb.IterationBatchRequest):
         """Validate the batch and run it through this stage's layers: its entries and results."""
         entries = self._prepare(request)
         return entries, self._compute(entries)
 
-    def _pass_on(self, request: pb.IterationBatchRequest, results, *, relay: bool,  # noqa: ANN001
+    def _pass_on(self, request: pb.IterationBatchRequest, results, *, relay: bool,
                  remaining_s: float | None, sink: Callable[[pb.HopReply], None] | None,
                  hop_id: int = 0) -> pb.IterationBatchResponse | None:
         """Hand this stage's output on: a frame to the downstream, or (final stage) the outputs
@@ -376,7 +376,7 @@ class Stage:
         if hop.sent_unix_ns:
             self.metrics.hop_latency_seconds.observe(max(0.0, (time.time_ns() - hop.sent_unix_ns) / 1e9))
 
-    def _finish(self, hop: pb.HopRequest, entries, sink, *, observed: bool = False) -> None:  # noqa: ANN001
+    def _finish(self, hop: pb.HopRequest, entries, sink, *, observed: bool = False) -> None:
         """Run one validated frame alone and pass it on (errors go up ``sink``)."""
         if not observed:
             self._observe_latency(hop)
@@ -387,7 +387,7 @@ class Stage:
             return
         self._send_on(hop, results, sink)
 
-    def _send_on(self, hop: pb.HopRequest, results, sink) -> None:  # noqa: ANN001
+    def _send_on(self, hop: pb.HopRequest, results, sink) -> None:
         request = hop.request
         try:
             if self.downstream is not None:
