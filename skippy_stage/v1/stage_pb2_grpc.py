@@ -82,8 +82,9 @@ class StageServiceServicer:
     def IterationBatch(self, request, context):
         """One step for several sessions at once. At stage 0 entries carry token ids; at any
         other stage the request carries an activation frame whose rows belong to the entries
-        in order. The answer holds the sampled token (and logits when asked) of every entry
-        that asked, relayed back up from the final stage.
+        in order. The call waits for the step's outputs: the sampled token (and logits when
+        asked) of every entry that asked, from the final stage (straight back to the head,
+        relayed up the edges to any other stage).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,16 +98,19 @@ class StageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ActivationFrame(self, request, context):
-        """What an upstream stage sends downstream: a frame (descriptor + raw payload) and the
-        per-entry metadata. The stage validates it, runs its layers, forwards, relays.
+        """One frame (descriptor + raw payload) and the per-entry metadata, unary: the stage
+        validates it, runs its layers, sends its own frame on, and answers with the outputs
+        relayed back up to it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ActivationStream(self, request_iterator, context):
-        """The same, as one long-lived stream per neighbouring pair of stages: many frames in
-        flight, answers matched by hop_id, errors carried per frame (the stream stays up).
+        """Frames from the upstream neighbour (hop_transport "stream"): frames flow one way and
+        nothing answers a frame that went well. The response stream is the edge's back
+        channel: errors (naming the failed stage and the frame's sessions) and the outputs of
+        frames that asked to be relayed, matched by hop_id; the stream stays up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,8 +138,9 @@ class StageServiceServicer:
 
     def ReturnResults(self, request_iterator, context):
         """Head only: the final stage's outputs, sent straight back (return_to in the final
-        stage's config) instead of only back up through every stage. One long-lived stream
-        from the final stage; each batch names the step's return_key.
+        stage's config, hop_transport "stream"; over "tcp" they go to the head's frame
+        listener). One long-lived stream from the final stage; each batch names the step's
+        return_key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
