@@ -95,9 +95,9 @@ class TcpHop:
             except DownstreamError:
                 raise
             except framing.Refused as exc:
+                # A wrong token, version or purpose: the two stages are configured apart.
                 raise DownstreamError(f"stage {self.peer.stage_id} refused the frame link: {exc}",
-                                      stage_id=self.peer.stage_id,
-                                      code_name="FAILED_PRECONDITION" if exc.code != 16 else "UNAVAILABLE") from None
+                                      stage_id=self.peer.stage_id, code_name="FAILED_PRECONDITION") from None
             except (OSError, framing.LinkClosed, InvalidRequestError) as exc:
                 raise self._error(f"cannot open the frame link: {exc}") from None
             self._link = link
