@@ -61,8 +61,7 @@ class TcpHop:
     """
 
     def __init__(self, peer: PeerConfig, *, port: Callable[[], int], credentials: Credentials, stage_id: str,
-                 max_message_bytes: int, connect_timeout_s: float, on_reply: OnReply, on_broken: OnBroken,
-                 purpose: int = pb.FrameHello.PURPOSE_HOP) -> None:
+                 max_message_bytes: int, connect_timeout_s: float, on_reply: OnReply, on_broken: OnBroken) -> None:
         self.peer = peer
         self.host = peer.endpoint.rpartition(":")[0].strip("[]")
         self._port = port
@@ -72,7 +71,6 @@ class TcpHop:
         self._connect_timeout_s = connect_timeout_s
         self._on_reply = on_reply
         self._on_broken = on_broken
-        self._purpose = purpose
         self._lock = threading.Lock()
         self._link: framing.FrameSocket | None = None
         self._closed = False
@@ -89,7 +87,7 @@ class TcpHop:
                 return self._link
             try:
                 port = self._port()
-                link = framing.dial(self.host, port, creds=self._creds, purpose=self._purpose,
+                link = framing.dial(self.host, port, creds=self._creds, purpose=pb.FrameHello.PURPOSE_HOP,
                                     stage_id=self._stage_id, max_message_bytes=self._max,
                                     timeout_s=self._connect_timeout_s)
             except DownstreamError:

@@ -327,7 +327,7 @@ class Stage:
         except SkippyError as exc:
             self._refuse(hop, exc, sink)
             return
-        self._finish(hop, entries, sink, observed=True)
+        self._finish(hop, entries, sink)
 
     def accept_frames(self, hops: list[pb.HopRequest], sink: Callable[[pb.HopReply], None]) -> None:
         """Frames that arrived together on one edge: run in one llama_decode, then each passed
@@ -355,17 +355,17 @@ class Stage:
                 budget = self.config.n_batch
             budget -= tokens
         for group in groups:
+            for hop, _ in group:
+                self._observe_latency(hop)
             if len(group) == 1:
                 self._finish(group[0][0], group[0][1], sink)
                 continue
             self.metrics.coalesced_frames.inc(len(group))
-            for hop, _ in group:
-                self._observe_latency(hop)
             try:
                 results = self._compute([e for _, entries in group for e in entries])
             except SkippyError:
                 for hop, entries in group:
-                    self._finish(hop, entries, sink, observed=True)
+                    self._finish(hop, entries, sink)
                 continue
             offset = 0
             for hop, entries in group:
@@ -376,10 +376,8 @@ class Stage:
         if hop.sent_unix_ns:
             self.metrics.hop_latency_seconds.observe(max(0.0, (time.time_ns() - hop.sent_unix_ns) / 1e9))
 
-    def _finish(self, hop: pb.HopRequest, entries, sink, *, observed: bool = False) -> None:
+    def _finish(self, hop: pb.HopRequest, entries, sink) -> None:
         """Run one validated frame alone and pass it on (errors go up ``sink``)."""
-        if not observed:
-            self._observe_latency(hop)
         try:
             results = self._compute(entries)
         except SkippyError as exc:
