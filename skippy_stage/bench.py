@@ -208,10 +208,11 @@ def hop_floor_us(rounds: int = 2000) -> dict[str, float]:
 
     import grpc
 
-    from skippy_stage import framing
+    from skippy_stage import codec, framing
     from skippy_stage.config import PeerConfig
     from skippy_stage.hops import StreamHop
     from skippy_stage.security import Credentials
+    from skippy_stage.steps import Activations, Frame, Step
 
     port, socket_port, frame_port = _free_ports("127.0.0.1", 3)
     ctx = multiprocessing.get_context("spawn")
@@ -222,17 +223,19 @@ def hop_floor_us(rounds: int = 2000) -> dict[str, float]:
         if not ready.wait(60):
             raise RuntimeError("the echo server did not start")
         payload = b"\0" * wire.payload_size("f32", 1, 576)
-        request = pb.IterationBatchRequest(frame=pb.ActivationFrame(payload=payload))
+        desc = wire.make_descriptor(dtype="f32", producer_stage_index=0, layer_start=0, layer_end=10, token_count=1,
+                                    sequence_count=1, width=576)
+        step = Step(request_id="", entries=[], frame=Activations(desc, payload))
         replies: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             hop = StreamHop(PeerConfig("echo", 1, f"127.0.0.1:{port}"), pb_grpc.StageServiceStub(channel), (),
                             translate=lambda err: err, on_reply=replies.put, on_broken=lambda err: None)
-            grpc_us = _round_trips_us(lambda i: hop.send(pb.HopRequest(hop_id=i, request=request)),
+            grpc_us = _round_trips_us(lambda i: hop.send(Frame(step, hop_id=i)),
                                       lambda: replies.get(timeout=10), rounds)
             hop.close()
         link = framing.dial("127.0.0.1", frame_port, creds=Credentials(), purpose=pb.FrameHello.PURPOSE_HOP,
                             stage_id="bench", max_message_bytes=1 << 20, timeout_s=10)
-        frame_us = _round_trips_us(lambda i: link.send(framing.Kind.HOP_REQUEST, pb.HopRequest(hop_id=i, request=request)),
+        frame_us = _round_trips_us(lambda i: link.send(framing.Kind.HOP_REQUEST, codec.frame_to_pb(Frame(step, hop_id=i))),
                                    link.receive, rounds)
         link.close()
         sock = socket.create_connection(("127.0.0.1", socket_port))

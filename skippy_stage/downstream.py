@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from skippy_stage import hops
+from skippy_stage import codec, hops
 from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, SkippyError
+from skippy_stage.reports import StageDrop, StageReport
 from skippy_stage.security import Credentials
 from skippy_stage.status import status_for
+from skippy_stage.steps import Frame, Outputs, Reply
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -59,14 +61,11 @@ class HealthProbe:
     detail: str
 
 
-_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-
-
 class HopFuture(Future):
-    """A step's outputs: an IterationBatchResponse, or a DownstreamError. The first settle wins
+    """A step's outputs, or a DownstreamError. The first settle wins
     (the final stage's direct return, a relayed copy, or an error from the back channel)."""
 
-    def settle(self, *, result: pb.IterationBatchResponse | None = None,
+    def settle(self, *, result: Outputs | None = None,
                error: BaseException | None = None) -> bool:
         """Resolve the future unless something already did; True when this call resolved it."""
         try:
@@ -127,9 +126,9 @@ class DownstreamClient:
             code_name="DEADLINE_EXCEEDED" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "UNAVAILABLE",
         )
 
-    def send(self, hop: pb.HopRequest) -> None:
+    def send(self, frame: Frame) -> None:
         """Hand one frame to the hop; DownstreamError when the link cannot be had."""
-        self.hop.send(hops.stamp(hop))
+        self.hop.send(hops.stamp(frame))
 
     def frame_port(self, timeout_s: float) -> int:
         """The downstream's TCP frame listener, as it advertises it (asked on every new link)."""
@@ -140,19 +139,21 @@ class DownstreamClient:
                                   stage_id=self.peer.stage_id, code_name="FAILED_PRECONDITION")
         return int(status.frame_port)
 
-    def reply_error(self, reply: pb.HopReply) -> DownstreamError:
+    def reply_error(self, reply: Reply) -> DownstreamError:
         return reply_error(self.peer, reply)
 
-    def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
+    def drop_session(self, session_id: str, remaining: float | None) -> list[StageDrop]:
         try:
-            return self._stub.DropSession(pb.DropSessionRequest(session_id=session_id), timeout=self.timeout_for(remaining),
-                                          metadata=self._metadata)
+            return codec.drops_from_pb(self._stub.DropSession(pb.DropSessionRequest(session_id=session_id),
+                                                              timeout=self.timeout_for(remaining),
+                                                              metadata=self._metadata))
         except grpc.RpcError as err:
             raise self._translate(err) from None
 
-    def status(self, timeout_s: float) -> pb.StageStatus:
+    def status(self, timeout_s: float) -> StageReport:
         try:
-            return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s, metadata=self._metadata)
+            return codec.report_from_pb(self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s,
+                                                             metadata=self._metadata))
         except grpc.RpcError as err:
             raise self._translate(err) from None
 
@@ -199,9 +200,9 @@ def timeout_for(remaining: float | None, cap_s: float) -> float:
     return max(0.001, min(remaining, cap_s))
 
 
-def reply_error(peer: PeerConfig, reply: pb.HopReply) -> DownstreamError:
+def reply_error(peer: PeerConfig, reply: Reply) -> DownstreamError:
     """The DownstreamError a back-channel error from ``peer``'s edge stands for."""
-    code = _CODE_BY_VALUE.get(reply.code, grpc.StatusCode.UNKNOWN)
+    code = getattr(grpc.StatusCode, reply.code, grpc.StatusCode.UNKNOWN)
     if reply.failed_stage:
         return DownstreamError(reply.message, stage_id=reply.failed_stage,
                                code_name=_RELAYED_CODES.get(code, "UNAVAILABLE"))
@@ -227,10 +228,10 @@ class LocalDownstream:
     def timeout_for(self, remaining: float | None) -> float:
         return timeout_for(remaining, self.hop_timeout_s)
 
-    def send(self, hop: pb.HopRequest) -> None:
-        self.hop.send(hops.stamp(hop))
+    def send(self, frame: Frame) -> None:
+        self.hop.send(hops.stamp(frame))
 
-    def reply_error(self, reply: pb.HopReply) -> DownstreamError:
+    def reply_error(self, reply: Reply) -> DownstreamError:
         return reply_error(self.peer, reply)
 
     def _call(self, fn, *args):
@@ -243,10 +244,10 @@ class LocalDownstream:
             raise DownstreamError(f"stage {self.peer.stage_id}: {message}", stage_id=self.peer.stage_id,
                                   code_name=_RELAYED_CODES.get(code, "UNAVAILABLE")) from None
 
-    def drop_session(self, session_id: str, remaining: float | None) -> pb.DropSessionResponse:
+    def drop_session(self, session_id: str, remaining: float | None) -> list[StageDrop]:
         return self._call(self.target.drop_session, session_id, remaining)
 
-    def status(self, timeout_s: float) -> pb.StageStatus:
+    def status(self, timeout_s: float) -> StageReport:
         return self._call(self.target.status)
 
     def probe_health(self, timeout_s: float) -> HealthProbe:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from skippy_stage.codec import GenerateSpec
 from skippy_stage.errors import InvalidRequestError
-from skippy_stage.messages import GenerateSpec, sampling_to_pb
 from skippy_stage.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
 from skippy_stage.stage import Stage
 
@@ -135,7 +135,7 @@ class Generator:
                 f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} "
                 f"({self.runtime.session_limit_hint})"
             )
-        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=sampling_to_pb(spec.sampling),
+        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=spec.sampling,
                     max_tokens=spec.max_tokens)
         slog = log.bind(stage_id=self.stage.config.stage_id, session_id=task.session_id)
         self.scheduler.submit(task)

@@ -28,24 +28,25 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from skippy_stage import framing
+from skippy_stage import codec, framing
 from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, InvalidRequestError
 from skippy_stage.security import Credentials
+from skippy_stage.steps import Frame, Reply
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from skippy_stage.stage import Stage
 
-OnReply = Callable[[pb.HopReply], None]
+OnReply = Callable[[Reply], None]
 OnBroken = Callable[[DownstreamError], None]
 
 
 class Hop(Protocol):
     """One edge towards the downstream."""
 
-    def send(self, hop: pb.HopRequest) -> None:
+    def send(self, frame: Frame) -> None:
         """Hand the frame to the transport; DownstreamError (UNAVAILABLE) when the link cannot be had."""
 
     def close(self) -> None: ...
@@ -102,10 +103,10 @@ class TcpHop:
             threading.Thread(target=self._read, args=(link,), name="hop-tcp-reader", daemon=True).start()
             return link
 
-    def send(self, hop: pb.HopRequest) -> None:
+    def send(self, frame: Frame) -> None:
         link = self._connect()
         try:
-            link.send(framing.Kind.HOP_REQUEST, hop)
+            link.send(framing.Kind.HOP_REQUEST, codec.frame_to_pb(frame))
         except framing.LinkClosed as exc:
             self._broke(link, str(exc))
             raise self._error(str(exc)) from None
@@ -120,7 +121,7 @@ class TcpHop:
                 except InvalidRequestError as exc:
                     detail = f"sent a message that is not a HopReply: {exc}"
                     break
-                self._on_reply(reply)
+                self._on_reply(codec.reply_from_pb(reply))
         except (framing.LinkClosed, InvalidRequestError) as exc:
             detail = str(exc)
         self._broke(link, detail)
@@ -183,13 +184,13 @@ class StreamHop:
                                  daemon=True).start()
             return self._outbox
 
-    def send(self, hop: pb.HopRequest) -> None:
-        self._open().put(hop)
+    def send(self, frame: Frame) -> None:
+        self._open().put(codec.frame_to_pb(frame))
 
     def _read(self, call, outbox: queue.SimpleQueue) -> None:
         try:
             for reply in call:
-                self._on_reply(reply)
+                self._on_reply(codec.reply_from_pb(reply))
             error: grpc.RpcError = _StreamClosed()
         except grpc.RpcError as err:
             error = err
@@ -219,16 +220,16 @@ class LocalHop:
         self._on_broken = on_broken
         target.inbound.add(self._on_reply)
 
-    def send(self, hop: pb.HopRequest) -> None:
+    def send(self, frame: Frame) -> None:
         if self.target.runtime is None:
             raise DownstreamError(f"stage {self.peer.stage_id} is not loaded", stage_id=self.peer.stage_id)
-        self.target.accept_frame(hop, self._on_reply)
+        self.target.accept_frame(frame, self._on_reply)
 
     def close(self) -> None:
         self.target.inbound.discard(self._on_reply)
 
 
-def stamp(hop: pb.HopRequest) -> pb.HopRequest:
+def stamp(frame: Frame) -> Frame:
     """Mark the moment the frame is handed to its transport (the receiver's hop latency)."""
-    hop.sent_unix_ns = time.time_ns()
-    return hop
+    frame.sent_unix_ns = time.time_ns()
+    return frame

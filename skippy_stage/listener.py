@@ -21,9 +21,10 @@ import threading
 import grpc
 import structlog
 
-from skippy_stage import framing
+from skippy_stage import codec, framing
 from skippy_stage.errors import ConfigError, InvalidRequestError
 from skippy_stage.stage import Stage, error_reply
+from skippy_stage.steps import Reply
 from skippy_stage.v1 import stage_pb2 as pb
 
 log = structlog.get_logger("skippy_stage.listener")
@@ -137,34 +138,34 @@ class FrameListener:
         """Frames from the upstream neighbour, run on this thread in the order they come."""
         stage = self.stage
 
-        def sink(reply: pb.HopReply) -> None:
+        def sink(reply: Reply) -> None:
             try:
-                link.send(framing.Kind.HOP_REPLY, reply)
+                link.send(framing.Kind.HOP_REPLY, codec.reply_to_pb(reply))
             except framing.LinkClosed:
                 pass  # the upstream is gone; it fails its own steps
         stage.inbound.add(sink)
         try:
             while True:
-                hops = []
+                frames = []
                 # Whatever has arrived by the time this thread is free runs as one decode.
-                while not hops or (len(hops) < MAX_COALESCED and link.readable()):
+                while not frames or (len(frames) < MAX_COALESCED and link.readable()):
                     try:
                         kind, body = link.receive()
                     except InvalidRequestError as exc:
                         # Too large to read: the link is out of step. Say why, then close it.
                         sink(error_reply(exc, return_key="", session_ids=[], stage_id=stage.config.stage_id))
-                        if hops:
-                            stage.accept_frames(hops, sink)
+                        if frames:
+                            stage.accept_frames(frames, sink)
                         raise
                     try:
-                        hops.append(framing.parse(kind, body, framing.Kind.HOP_REQUEST))
+                        frames.append(codec.frame_from_pb(framing.parse(kind, body, framing.Kind.HOP_REQUEST)))
                     except InvalidRequestError as exc:
                         stage.metrics.requests(rpc="Frame", code="INVALID_ARGUMENT").inc()
                         sink(error_reply(exc, return_key="bad-frame", session_ids=[], stage_id=stage.config.stage_id))
-                        if not hops:
+                        if not frames:
                             continue
                         break
-                stage.accept_frames(hops, sink)
+                stage.accept_frames(frames, sink)
         finally:
             stage.inbound.discard(sink)
 
@@ -178,7 +179,7 @@ class FrameListener:
                 self.stage.metrics.requests(rpc="FrameReturn", code="INVALID_ARGUMENT").inc()
                 self.log.warning("undecodable return dropped", error=str(exc))
                 continue
-            self.stage.deliver_return(batch)
+            self.stage.deliver_return(batch.return_key, codec.outputs_from_pb(batch.response))
 
     def close(self) -> None:
         with self._lock:

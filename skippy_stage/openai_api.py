@@ -49,9 +49,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from skippy_stage.codec import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
 from skippy_stage.errors import ConfigError, DownstreamError, InvalidRequestError, SkippyError
 from skippy_stage.head import Finish, Generator, Piece
-from skippy_stage.messages import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
 from skippy_stage.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.security import Credentials
 

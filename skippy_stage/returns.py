@@ -21,11 +21,12 @@ import uuid
 import grpc
 import structlog
 
-from skippy_stage import framing
+from skippy_stage import codec, framing
 from skippy_stage.config import PeerConfig
 from skippy_stage.downstream import HopFuture, channel_options
 from skippy_stage.errors import DownstreamError
 from skippy_stage.security import Credentials
+from skippy_stage.steps import Outputs
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -58,11 +59,11 @@ class ReturnBox:
         with self._lock:
             return key in self._waiting
 
-    def deliver(self, key: str, response: pb.IterationBatchResponse) -> bool:
+    def deliver(self, key: str, outputs: Outputs) -> bool:
         """Settle the step waiting under ``key``; False if none waits (late, or unknown)."""
         with self._lock:
             future = self._waiting.pop(key, None)
-        return future is not None and future.settle(result=response)
+        return future is not None and future.settle(result=outputs)
 
     def fail(self, key: str, error: DownstreamError) -> bool:
         with self._lock:
@@ -140,12 +141,12 @@ class TcpReturn:
                 self._link = None
         link.close()
 
-    def send(self, key: str, response: pb.IterationBatchResponse) -> bool:
+    def send(self, key: str, outputs: Outputs) -> bool:
         link = self._connect()
         if link is None:
             return False
         try:
-            link.send(framing.Kind.RETURNED_BATCH, pb.ReturnedBatch(return_key=key, response=response))
+            link.send(framing.Kind.RETURNED_BATCH, codec.returned_to_pb(key, outputs))
             return True
         except framing.LinkClosed as exc:
             self.log.warning("direct return link to the head broke; relaying", error=str(exc))
@@ -205,11 +206,11 @@ class StreamReturn:
             self._outbox = outbox
             return outbox
 
-    def send(self, key: str, response: pb.IterationBatchResponse) -> bool:
+    def send(self, key: str, outputs: Outputs) -> bool:
         outbox = self._open()
         if outbox is None:
             return False
-        outbox.put(pb.ReturnedBatch(return_key=key, response=response))
+        outbox.put(codec.returned_to_pb(key, outputs))
         return True
 
     def close(self) -> None:
@@ -228,8 +229,8 @@ class LocalReturn:
     def __init__(self, head) -> None:  # a Stage (not imported: it imports this module)
         self.head = head
 
-    def send(self, key: str, response: pb.IterationBatchResponse) -> bool:
-        self.head.deliver_return(pb.ReturnedBatch(return_key=key, response=response))
+    def send(self, key: str, outputs: Outputs) -> bool:
+        self.head.deliver_return(key, outputs)
         return True
 
     def close(self) -> None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from skippy_stage.errors import CapacityError, DownstreamError, RuntimeFailure, SkippyError, UnknownSessionError
-from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.sampling import SamplingParams
+from skippy_stage.steps import PHASE_DECODE, PHASE_PREFILL, Outputs, Step, StepEntry
 
 log = structlog.get_logger("skippy_stage.scheduler")
 
@@ -54,7 +55,7 @@ class Task:
 
     session_id: str
     prompt: list[int]
-    sampling: pb.SamplingParams
+    sampling: SamplingParams
     max_tokens: int
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     prefilled: int = 0
@@ -108,7 +109,7 @@ class SchedulerLimits:
     recovery_wait_s: float = 15.0
 
 
-StepFn = Callable[[pb.IterationBatchRequest, float], pb.IterationBatchResponse]
+StepFn = Callable[[Step, float], Outputs]
 DropFn = Callable[[str], None]
 IsEog = Callable[[int], bool]
 
@@ -245,19 +246,18 @@ class Scheduler:
         except SkippyError as exc:
             self.log.info("session release incomplete", session_id=task.session_id, error=str(exc))
 
-    def _entries(self, batch: list[Task]) -> tuple[list[pb.BatchEntry], list[tuple[Task, int]]]:
+    def _entries(self, batch: list[Task]) -> tuple[list[StepEntry], list[tuple[Task, int]]]:
         """Decode entries first (latency), then prompt chunks within the token budget."""
         budget = self.limits.n_batch
-        entries: list[pb.BatchEntry] = []
+        entries: list[StepEntry] = []
         plan: list[tuple[Task, int]] = []
         for task in batch:
             if task.recovering is not None:
                 continue
             if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0:
                 position = len(task.prompt) + task.generated - 1
-                entries.append(pb.BatchEntry(session_id=task.session_id, phase=pb.PHASE_DECODE,
-                                             positions=[position], token_ids=[task.last_token],
-                                             sample_last=True, sampling=task.sampling))
+                entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE, positions=[position],
+                                         token_ids=[task.last_token], sample_last=True, sampling=task.sampling))
                 plan.append((task, 0))
                 budget -= 1
         for task in batch:
@@ -275,10 +275,9 @@ class Scheduler:
                 n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
             # After a recovery the next input token is already known: do not sample again.
             last = start + n == len(feed) and task.last_token is None
-            entries.append(pb.BatchEntry(session_id=task.session_id, phase=pb.PHASE_PREFILL,
-                                         positions=list(range(start, start + n)),
-                                         token_ids=feed[start : start + n], sample_last=last,
-                                         sampling=task.sampling))
+            entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
+                                     positions=range(start, start + n), token_ids=feed[start : start + n],
+                                     sample_last=last, sampling=task.sampling))
             plan.append((task, n))
             budget -= n
         return entries, plan
@@ -342,7 +341,7 @@ class Scheduler:
         if not entries:
             self.flush_events()
             return
-        request = pb.IterationBatchRequest(request_id=f"step-{next(self._batch_ids)}", entries=entries)
+        request = Step(request_id=f"step-{next(self._batch_ids)}", entries=entries)
         try:
             response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
@@ -377,7 +376,7 @@ class Scheduler:
             return
         for (task, n_prefill), out in zip(plan, response.outputs):
             task.prefilled += n_prefill
-            if not out.has_token:
+            if out.token is None:
                 continue
             task.failing_since = None
             if task.first_token_at is None:

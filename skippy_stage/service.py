@@ -22,15 +22,16 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from skippy_stage import codec
 from skippy_stage.config import StageConfig
 from skippy_stage.downstream import FAILED_STAGE_KEY, HealthProbe
 from skippy_stage.errors import ConfigError, DownstreamError, InvalidRequestError, SessionStateError, SkippyError
 from skippy_stage.head import Finish, Generator
 from skippy_stage.listener import FrameListener
-from skippy_stage.messages import generate_spec_from_pb, sampling_to_pb
 from skippy_stage.security import BearerTokenInterceptor, Credentials
 from skippy_stage.stage import Stage, StageState, Timeouts
 from skippy_stage.status import status_for
+from skippy_stage.steps import PHASE_DECODE, Reply, Step, StepEntry
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -107,14 +108,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     @_unary
     def IterationBatch(self, request, context):  # noqa: N802
-        return self.stage.process(request, context.time_remaining())
+        return codec.outputs_to_pb(self.stage.process(codec.step_from_pb(request), context.time_remaining()))
 
     @_unary
     def ActivationFrame(self, request, context):  # noqa: N802
         """One frame, answered with the step's outputs: they are relayed back up to this stage."""
         if not request.HasField("frame"):
             raise InvalidRequestError("frame is required in ActivationFrame")
-        return self.stage.process(request, context.time_remaining(), relay=True)
+        outputs = self.stage.process(codec.step_from_pb(request), context.time_remaining(), relay=True)
+        return codec.outputs_to_pb(outputs)
 
     def ActivationStream(self, request_iterator, context):  # noqa: N802
         """Frames from the upstream neighbour (hop_transport "stream"), each run on the thread
@@ -128,9 +130,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
         awaited: collections.Counter[int] = collections.Counter()
         last_deadline = [time.monotonic()]
 
-        def sink(reply: pb.HopReply) -> None:
+        def sink(reply: Reply) -> None:
             with lock:  # queued before it stops being awaited: the stream never ends between the two
-                replies.put(reply)
+                replies.put(codec.reply_to_pb(reply))
                 if awaited[reply.hop_id] > 0:
                     awaited[reply.hop_id] -= 1
 
@@ -144,7 +146,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                             if 0 < hop.timeout_s < wait:  # NaN and nonsense fall back to the cap
                                 wait = hop.timeout_s
                             last_deadline[0] = max(last_deadline[0], time.monotonic() + wait)
-                    self.stage.accept_frame(hop, sink)
+                    self.stage.accept_frame(codec.frame_from_pb(hop), sink)
             except grpc.RpcError:
                 pass  # the upstream went away
             finally:
@@ -187,7 +189,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             self._return_streams.add(context)
         try:
             for batch in request_iterator:
-                accepted += self.stage.deliver_return(batch)
+                accepted += self.stage.deliver_return(batch.return_key, codec.outputs_from_pb(batch.response))
         except grpc.RpcError:
             pass  # the final stage went away, or the head is draining; its next return opens a new stream
         finally:
@@ -198,29 +200,28 @@ class StageServicer(pb_grpc.StageServiceServicer):
     @_unary
     def Decode(self, request, context):  # noqa: N802
         self._require_head("Decode")
-        entry = pb.BatchEntry(
-            session_id=request.session_id, phase=pb.PHASE_DECODE, positions=[request.position],
+        entry = StepEntry(
+            session_id=request.session_id, phase=PHASE_DECODE, positions=[request.position],
             token_ids=[request.token_id], sample_last=True, want_logits=request.want_logits,
-            sampling=request.sampling if request.HasField("sampling") else sampling_to_pb(None),
+            sampling=codec.sampling_from_pb(request.sampling) if request.HasField("sampling") else None,
         )
-        resp = self.stage.process(pb.IterationBatchRequest(entries=[entry]), context.time_remaining())
-        out = resp.outputs[0]
-        return pb.DecodeResponse(token=out.token, logits=out.logits)
+        out = self.stage.process(Step(request_id="", entries=[entry]), context.time_remaining()).outputs[0]
+        return pb.DecodeResponse(token=out.token or 0, logits=[] if out.logits is None else out.logits.tolist())
 
     @_unary
     def DropSession(self, request, context):  # noqa: N802
-        return self.stage.drop_session(request.session_id, context.time_remaining())
+        return codec.drops_to_pb(self.stage.drop_session(request.session_id, context.time_remaining()))
 
     @_unary
     def GetStatus(self, request, context):  # noqa: N802
-        return self.stage.status()
+        return codec.report_to_pb(self.stage.status())
 
     def Generate(self, request, context):  # noqa: N802
         started = time.perf_counter()
         try:
             self._require_head("Generate")
             generator = self._head()
-            spec = generate_spec_from_pb(request, max_tokens_limit=generator.max_context,
+            spec = codec.generate_spec_from_pb(request, max_tokens_limit=generator.max_context,
                                          limit_hint=generator.runtime.session_limit_hint)
             first_token_s = None
             for event in generator.generate(spec, remaining_s=context.time_remaining, is_active=context.is_active):

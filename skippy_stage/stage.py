@@ -12,12 +12,14 @@ on, so "a session that fails anywhere is freed on every stage". A link that brea
 every frame in flight through it: the stage above tells everyone above it, and the head
 fails (and recovers) every step it waits for.
 
-The servicer (``service``) and the TCP frame listener (``listener``) are thin shells
-around this: parse, call, serialise.
+The stage speaks domain types (``steps``, ``reports``); the servicer (``service``), the TCP
+frame listener (``listener``) and the socket transports are thin shells around it that
+convert at the edge (``codec``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 import time
@@ -32,20 +34,28 @@ import structlog
 from skippy_stage.config import PeerConfig, StageConfig
 from skippy_stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SkippyError, UnknownSessionError
-from skippy_stage.messages import PB_TO_DTYPE, StageShape, entries_from_request, forward_request, response_from_results
 from skippy_stage.metrics import StageMetrics
+from skippy_stage.reports import StageDrop, StageReport
 from skippy_stage.returns import LocalReturn, ReturnBox, StreamReturn, TcpReturn
 from skippy_stage.runtime import StageRuntime
 from skippy_stage.security import Credentials
 from skippy_stage.slicing import read_model_info
 from skippy_stage.status import status_for
-from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.steps import (
+    Frame,
+    Outputs,
+    Reply,
+    StageShape,
+    Step,
+    forward_step,
+    outputs_from_results,
+    runtime_entries,
+)
 
 log = structlog.get_logger("skippy_stage.stage")
 
-
-def _codec(request: pb.IterationBatchRequest) -> str:
-    return PB_TO_DTYPE.get(request.frame.descriptor.dtype, "unknown")
+# One upstream edge's back channel: sends one Reply up it and never raises.
+Sink = Callable[[Reply], None]
 
 
 class StageState(enum.Enum):
@@ -79,18 +89,18 @@ class Inbound:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sinks: list[Callable[[pb.HopReply], None]] = []
+        self._sinks: list[Sink] = []
 
-    def add(self, sink: Callable[[pb.HopReply], None]) -> None:
+    def add(self, sink: Sink) -> None:
         with self._lock:
             self._sinks.append(sink)
 
-    def discard(self, sink: Callable[[pb.HopReply], None]) -> None:
+    def discard(self, sink: Sink) -> None:
         with self._lock:
             if sink in self._sinks:
                 self._sinks.remove(sink)
 
-    def broadcast(self, reply: pb.HopReply) -> int:
+    def broadcast(self, reply: Reply) -> int:
         with self._lock:
             sinks = list(self._sinks)
         for sink in sinks:
@@ -106,9 +116,9 @@ class Routes:
     def __init__(self, limit: int = 4096) -> None:
         self._lock = threading.Lock()
         self._limit = limit
-        self._routes: OrderedDict[str, tuple[Callable[[pb.HopReply], None], int]] = OrderedDict()
+        self._routes: OrderedDict[str, tuple[Sink, int]] = OrderedDict()
 
-    def claim(self, key: str, sink: Callable[[pb.HopReply], None], hop_id: int) -> str:
+    def claim(self, key: str, sink: Sink, hop_id: int) -> str:
         """Route replies for ``key`` to ``sink``; the key to send down. A key that is empty or
         already routed (never from a real head, whose keys are random) gets a fresh one, so
         no client can make replies of another step, or the "edge broke" of an empty key, its own."""
@@ -120,19 +130,19 @@ class Routes:
                 self._routes.popitem(last=False)
         return key
 
-    def take(self, key: str) -> tuple[Callable[[pb.HopReply], None], int] | None:
+    def take(self, key: str) -> tuple[Sink, int] | None:
         with self._lock:
             return self._routes.pop(key, None)
 
 
 def error_reply(exc: SkippyError, *, return_key: str, session_ids: list[str], hop_id: int = 0,
-                stage_id: str = "") -> pb.HopReply:
+                stage_id: str = "") -> Reply:
     """The back-channel message for a failed frame. ``failed_stage`` names the stage that failed:
     the one given, or the deeper one a DownstreamError names."""
     code, message = status_for(exc)
     failed = exc.stage_id if isinstance(exc, DownstreamError) else stage_id
-    return pb.HopReply(hop_id=hop_id, code=code.value[0], message=message, failed_stage=failed,
-                       return_key=return_key, session_ids=session_ids)
+    return Reply(hop_id=hop_id, code=code.name, message=message, failed_stage=failed, return_key=return_key,
+                 session_ids=tuple(session_ids))
 
 
 class Stage:
@@ -267,15 +277,13 @@ class Stage:
 
     # -- the frame path --------------------------------------------------------------
 
-    def _prepare(self, request: pb.IterationBatchRequest):
-        """Validate one batch (no llama.cpp yet): its runtime entries."""
+    def _prepare(self, step: Step):
+        """Check one step against this stage (no llama.cpp yet): its runtime entries."""
         runtime = self.require_runtime()
-        if len(request.return_key) > 64:
-            raise InvalidRequestError(f"return_key must be at most 64 characters, got {len(request.return_key)}")
-        entries = entries_from_request(request, self.shape)
-        self._check_reply_fits(request, runtime.n_vocab)
-        if request.HasField("frame"):
-            self.metrics.activation_bytes.labels("received", _codec(request)).inc(len(request.frame.payload))
+        entries = runtime_entries(step, self.shape)
+        self._check_reply_fits(step, runtime.n_vocab)
+        if step.frame is not None:
+            self.metrics.activation_bytes.labels("received", step.frame.descriptor.dtype).inc(len(step.frame.payload))
         return entries
 
     def _compute(self, entries):
@@ -288,64 +296,58 @@ class Stage:
         m.batch_tokens.observe(sum(len(e.positions) for e in entries))
         return results
 
-    def _run_local(self, request: pb.IterationBatchRequest):
-        """Validate the batch and run it through this stage's layers: its entries and results."""
-        entries = self._prepare(request)
-        return entries, self._compute(entries)
-
-    def _pass_on(self, request: pb.IterationBatchRequest, results, *, relay: bool,
-                 remaining_s: float | None, sink: Callable[[pb.HopReply], None] | None,
-                 hop_id: int = 0) -> pb.IterationBatchResponse | None:
+    def _pass_on(self, step: Step, results, *, relay: bool, remaining_s: float | None, sink: Sink | None,
+                 hop_id: int = 0) -> Outputs | None:
         """Hand this stage's output on: a frame to the downstream, or (final stage) the outputs
         to the head, to ``sink`` (relayed up one edge), or returned (None when sent)."""
         downstream = self.downstream
         if downstream is None:
-            response = response_from_results(results, self.config.stage_id)
-            if not relay and self.return_path is not None and request.return_key:
-                if self.return_path.send(request.return_key, response):
+            outputs = outputs_from_results(results, self.config.stage_id)
+            if not relay and self.return_path is not None and step.return_key:
+                if self.return_path.send(step.return_key, outputs):
                     self.metrics.returns(path="sent").inc()
                     return None
             if sink is None:
-                return response
-            sink(pb.HopReply(hop_id=hop_id, return_key=request.return_key, response=response))
+                return outputs
+            sink(Reply(hop_id=hop_id, return_key=step.return_key, outputs=outputs))
             self.metrics.returns(path="relayed").inc()
             return None
-        forward = forward_request(request, results, self.shape)
+        forward = forward_step(step, results, self.shape)
         self.metrics.activation_bytes.labels("sent", self.shape.wire_dtype).inc(len(forward.frame.payload))
-        downstream.send(pb.HopRequest(request=forward, relay=relay, timeout_s=downstream.timeout_for(remaining_s)))
+        downstream.send(Frame(step=forward, relay=relay, timeout_s=downstream.timeout_for(remaining_s)))
         return None
 
-    def accept_frame(self, hop: pb.HopRequest, sink: Callable[[pb.HopReply], None]) -> None:
+    def accept_frame(self, frame: Frame, sink: Sink) -> None:
         """A frame from the upstream edge whose back channel is ``sink``; never raises.
 
         Runs on the receiving thread: this stage's layers, then the frame on (or the outputs
         back). A failure frees the frame's sessions here and goes up ``sink`` naming them.
         """
-        self._observe_latency(hop)
+        self._observe_latency(frame)
         try:
-            entries = self._prepare(hop.request)
+            entries = self._prepare(frame.step)
         except SkippyError as exc:
-            self._refuse(hop, exc, sink)
+            self._refuse(frame, exc, sink)
             return
-        self._finish(hop, entries, sink)
+        self._finish(frame, entries, sink)
 
-    def accept_frames(self, hops: list[pb.HopRequest], sink: Callable[[pb.HopReply], None]) -> None:
+    def accept_frames(self, frames: list[Frame], sink: Sink) -> None:
         """Frames that arrived together on one edge: run in one llama_decode, then each passed
         on as its own frame (their steps may belong to different groups of the head). A frame
-        that fails validation is answered alone; if the joint decode is refused (say, a session
+        that fails its checks is answered alone; if the joint decode is refused (say, a session
         of one frame has no lane), each frame runs on its own, so one bad frame never fails
         another (the runtime rolls a refused batch back entirely)."""
-        if len(hops) == 1:
-            self.accept_frame(hops[0], sink)
+        if len(frames) == 1:
+            self.accept_frame(frames[0], sink)
             return
-        ready: list[tuple[pb.HopRequest, list]] = []
-        for hop in hops:
+        ready: list[tuple[Frame, list]] = []
+        for frame in frames:
             try:
-                ready.append((hop, self._prepare(hop.request)))
+                ready.append((frame, self._prepare(frame.step)))
             except SkippyError as exc:
-                self._refuse(hop, exc, sink)
+                self._refuse(frame, exc, sink)
         budget = self.config.n_batch
-        groups: list[list[tuple[pb.HopRequest, list]]] = []
+        groups: list[list[tuple[Frame, list]]] = []
         for item in ready:
             tokens = sum(len(e.positions) for e in item[1])
             if groups and budget >= tokens:
@@ -355,8 +357,8 @@ class Stage:
                 budget = self.config.n_batch
             budget -= tokens
         for group in groups:
-            for hop, _ in group:
-                self._observe_latency(hop)
+            for frame, _ in group:
+                self._observe_latency(frame)
             if len(group) == 1:
                 self._finish(group[0][0], group[0][1], sink)
                 continue
@@ -364,45 +366,45 @@ class Stage:
             try:
                 results = self._compute([e for _, entries in group for e in entries])
             except SkippyError:
-                for hop, entries in group:
-                    self._finish(hop, entries, sink)
+                for frame, entries in group:
+                    self._finish(frame, entries, sink)
                 continue
             offset = 0
-            for hop, entries in group:
+            for frame, entries in group:
                 mine, offset = results[offset:offset + len(entries)], offset + len(entries)
-                self._send_on(hop, mine, sink)
+                self._send_on(frame, mine, sink)
 
-    def _observe_latency(self, hop: pb.HopRequest) -> None:
-        if hop.sent_unix_ns:
-            self.metrics.hop_latency_seconds.observe(max(0.0, (time.time_ns() - hop.sent_unix_ns) / 1e9))
+    def _observe_latency(self, frame: Frame) -> None:
+        if frame.sent_unix_ns:
+            self.metrics.hop_latency_seconds.observe(max(0.0, (time.time_ns() - frame.sent_unix_ns) / 1e9))
 
-    def _finish(self, hop: pb.HopRequest, entries, sink) -> None:
-        """Run one validated frame alone and pass it on (errors go up ``sink``)."""
+    def _finish(self, frame: Frame, entries, sink: Sink) -> None:
+        """Run one checked frame alone and pass it on (errors go up ``sink``)."""
         try:
             results = self._compute(entries)
         except SkippyError as exc:
-            self._refuse(hop, exc, sink)
+            self._refuse(frame, exc, sink)
             return
-        self._send_on(hop, results, sink)
+        self._send_on(frame, results, sink)
 
-    def _send_on(self, hop: pb.HopRequest, results, sink) -> None:
-        request = hop.request
+    def _send_on(self, frame: Frame, results, sink: Sink) -> None:
+        step = frame.step
         try:
             if self.downstream is not None:
-                request.return_key = self.routes.claim(request.return_key, sink, hop.hop_id)
-            self._pass_on(request, results, relay=hop.relay, remaining_s=hop.timeout_s or None, sink=sink,
-                          hop_id=hop.hop_id)
+                step.return_key = self.routes.claim(step.return_key, sink, frame.hop_id)
+            self._pass_on(step, results, relay=frame.relay, remaining_s=frame.timeout_s or None, sink=sink,
+                          hop_id=frame.hop_id)
             self.metrics.requests(rpc="Frame", code="OK").inc()
         except SkippyError as exc:
-            self._refuse(hop, exc, sink)
+            self._refuse(frame, exc, sink)
 
-    def _refuse(self, hop: pb.HopRequest, exc: SkippyError, sink: Callable[[pb.HopReply], None]) -> None:
+    def _refuse(self, frame: Frame, exc: SkippyError, sink: Sink) -> None:
         """A frame failed here or could not go on: free its sessions, say so up its edge."""
-        request = hop.request
-        sessions = [e.session_id for e in request.entries][:1024]
-        self._failed(exc, sessions, request.request_id)
+        step = frame.step
+        sessions = step.session_ids[:1024]
+        self._failed(exc, sessions, step.request_id)
         self.metrics.requests(rpc="Frame", code=status_for(exc)[0].name).inc()
-        sink(error_reply(exc, return_key=request.return_key[:64], session_ids=sessions, hop_id=hop.hop_id,
+        sink(error_reply(exc, return_key=step.return_key[:64], session_ids=sessions, hop_id=frame.hop_id,
                          stage_id=self.config.stage_id))
 
     def _failed(self, exc: SkippyError, sessions: list[str], request_id: str) -> None:
@@ -417,8 +419,8 @@ class Stage:
             self.log.warning("batch lost below; sessions freed", failed_stage=exc.stage_id, error=str(exc),
                              sessions=sessions[:16], request_id=request_id)
 
-    def process(self, request: pb.IterationBatchRequest, remaining_s: float | None, *,
-                relay: bool | None = None, on_sent: Callable[[], None] | None = None) -> pb.IterationBatchResponse:
+    def process(self, step: Step, remaining_s: float | None, *, relay: bool | None = None,
+                on_sent: Callable[[], None] | None = None) -> Outputs:
         """Run one step from here down and wait for its outputs: the head's scheduler, and the
         unary IterationBatch / ActivationFrame / Decode calls.
 
@@ -428,42 +430,43 @@ class Stage:
         """
         if relay is None:
             relay = not self.config.include_embeddings
-        entries, results = self._run_local(request)
+        entries = self._prepare(step)
+        results = self._compute(entries)
         downstream = self.downstream
         if downstream is None:
             if on_sent is not None:
                 on_sent()
-            return response_from_results(results, self.config.stage_id)
+            return outputs_from_results(results, self.config.stage_id)
         sessions = [e.session_id for e in entries]
         outcome = HopFuture()
         key = self.returns.expect(outcome)
-        request.return_key = key
+        step.return_key = key
         timeout = downstream.timeout_for(remaining_s)
         started = time.perf_counter()
         try:
-            self._pass_on(request, results, relay=relay, remaining_s=timeout, sink=None)
+            self._pass_on(step, results, relay=relay, remaining_s=timeout, sink=None)
             if on_sent is not None:
                 on_sent()  # while the stages below work: the head's side jobs (the client's stream)
             try:
-                response = outcome.result(timeout=timeout + 0.05)
+                outputs = outcome.result(timeout=timeout + 0.05)
             except FutureTimeout:
                 raise DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
                                       f"outputs did not arrive within {timeout:.3f}s", stage_id=downstream.peer.stage_id,
                                       code_name="DEADLINE_EXCEEDED") from None
             self.metrics.hop_seconds.observe(time.perf_counter() - started)
-            return response
+            return outputs
         except SkippyError as exc:
-            self._failed(exc, sessions, request.request_id)
+            self._failed(exc, sessions, step.request_id)
             raise
         finally:
             self.returns.forget(key)
 
-    def _from_below(self, reply: pb.HopReply) -> None:
+    def _from_below(self, reply: Reply) -> None:
         """A message on the downstream edge's back channel (its reader thread): settle the step
         waiting here, or pass it up; an error first frees its sessions on this stage."""
         downstream = self.downstream
-        if reply.code == 0:
-            if self.returns.deliver(reply.return_key, reply.response):
+        if reply.code == "OK":
+            if self.returns.deliver(reply.return_key, reply.outputs):
                 self.metrics.returns(path="relay").inc()
             elif not self._up(reply):
                 self.log.info("relayed outputs nobody waits for any more", return_key=reply.return_key[:64])
@@ -484,15 +487,14 @@ class Stage:
         if not self.returns.fail(reply.return_key, error):
             self._up(reply)
 
-    def _up(self, reply: pb.HopReply) -> bool:
+    def _up(self, reply: Reply) -> bool:
         """Send a reply from below up the edge its step came down. One whose step has no route
         here any more (a unary caller that gave up) is dropped: nobody above waits for it."""
         route = self.routes.take(reply.return_key)
         if route is None:
             return False
         sink, hop_id = route
-        reply.hop_id = hop_id
-        sink(reply)
+        sink(dataclasses.replace(reply, hop_id=hop_id))
         return True
 
     def _link_broken(self, client: DownstreamClient | None, error: DownstreamError) -> None:
@@ -503,9 +505,9 @@ class Stage:
         self.log.warning("downstream link broke", failed_stage=error.stage_id, error=str(error), steps_lost=lost)
         self.inbound.broadcast(error_reply(error, return_key="", session_ids=[]))
 
-    def deliver_return(self, batch: pb.ReturnedBatch) -> bool:
+    def deliver_return(self, key: str, outputs: Outputs) -> bool:
         """A final stage's direct return; False when no step waits for it (late or unknown)."""
-        settled = self.returns.deliver(batch.return_key, batch.response)
+        settled = self.returns.deliver(key, outputs)
         if settled:
             self.metrics.returns(path="direct").inc()
         return settled
@@ -552,10 +554,10 @@ class Stage:
                 pass  # freed meanwhile
         return expired
 
-    def _check_reply_fits(self, request: pb.IterationBatchRequest, n_vocab: int) -> None:
+    def _check_reply_fits(self, step: Step, n_vocab: int) -> None:
         """Refuse up front a batch whose logits could not travel back within the size limit."""
-        wanted = sum(1 for e in request.entries if e.want_logits)
-        reply_bytes = wanted * n_vocab * 5 + 64 * len(request.entries)  # packed floats + framing
+        wanted = sum(1 for e in step.entries if e.want_logits)
+        reply_bytes = wanted * n_vocab * 5 + 64 * len(step.entries)  # packed floats + framing
         if wanted and reply_bytes > self.max_message_bytes:
             raise InvalidRequestError(
                 f"{wanted} entries set want_logits: the reply (~{reply_bytes} bytes) exceeds "
@@ -572,51 +574,43 @@ class Stage:
             except UnknownSessionError:
                 pass
 
-    def drop_session(self, session_id: str, remaining_s: float | None) -> pb.DropSessionResponse:
+    def drop_session(self, session_id: str, remaining_s: float | None) -> list[StageDrop]:
         """Free the session here and on every stage below; NOT_FOUND only if no stage had it."""
         if not session_id or len(session_id) > 256:
             raise InvalidRequestError(f"session_id must be 1..256 characters, got {len(session_id)}")
         runtime = self.require_runtime()
         try:
             result = runtime.drop_session(session_id)
-            stages = [pb.StageDrop(stage_id=self.config.stage_id, found=True, reset_ms=result.reset_seconds * 1e3)]
+            stages = [StageDrop(self.config.stage_id, True, result.reset_seconds * 1e3)]
         except UnknownSessionError:
-            stages = [pb.StageDrop(stage_id=self.config.stage_id, found=False)]
+            stages = [StageDrop(self.config.stage_id, False)]
         downstream = self.downstream
         if downstream is not None:
             try:
-                stages.extend(downstream.drop_session(session_id, remaining_s).stages)
+                stages.extend(downstream.drop_session(session_id, remaining_s))
             except DownstreamError as exc:
                 if exc.code_name != "NOT_FOUND":
                     self.remember_drops([session_id])
                     raise
-                stages.append(pb.StageDrop(stage_id=downstream.peer.stage_id, found=False))
+                stages.append(StageDrop(downstream.peer.stage_id, False))
         if not any(s.found for s in stages):
             raise UnknownSessionError(f"session_id={session_id!r} is not bound on stage {self.config.stage_id} or below")
-        return pb.DropSessionResponse(stages=stages)
+        return stages
 
-    def status(self) -> pb.StageStatus:
+    def status(self) -> StageReport:
         cfg = self.config
-        msg = pb.StageStatus(
+        downstream = self.downstream
+        health = self.downstream_health
+        runtime = self.runtime
+        return StageReport(
             stage_id=cfg.stage_id, stage_index=cfg.stage_index, run_id=cfg.run_id, topology_id=cfg.topology_id,
             model_id=cfg.model_id or cfg.model_path, architecture=self.architecture,
             layer_start=cfg.layer_start, layer_end=cfg.layer_end, include_embeddings=cfg.include_embeddings,
             include_output=cfg.include_output, state=self._state.value, wire_dtype=cfg.wire_dtype,
-            downstream_ok=self.downstream_health.ok, downstream_error=self.downstream_health.detail if not self.downstream_health.ok else "",
             hop_transport=cfg.hop_transport, frame_port=self.frame_port, tls=self.credentials.cert is not None,
+            downstream_ok=health.ok, downstream_error="" if health.ok else health.detail,
+            downstream_stage_id=downstream.peer.stage_id if downstream else "",
+            downstream_endpoint=downstream.peer.endpoint if downstream else "",
+            n_embd=runtime.n_embd if runtime is not None else 0,
+            lanes=runtime.stats() if runtime is not None else None,
         )
-        downstream = self.downstream
-        if downstream is not None:
-            msg.downstream_stage_id = downstream.peer.stage_id
-            msg.downstream_endpoint = downstream.peer.endpoint
-        if self.runtime is not None:
-            s = self.runtime.stats()
-            msg.n_embd = self.runtime.n_embd
-            msg.lane_count, msg.active_sessions, msg.idle_lanes = s.lane_count, s.active_sessions, s.idle_lanes
-            msg.free_lanes, msg.max_session_tokens = s.free_lanes, s.max_session_tokens
-            msg.total_session_tokens, msg.kv_pool_tokens = s.total_session_tokens, s.kv_pool_tokens
-            msg.kv_cells_per_lane, msg.discarded_lanes = s.kv_cells_per_lane, s.discarded_lanes
-            msg.lanes.extend(
-                pb.LaneRow(lane=r.lane, state=r.state, session_id=r.session_id or "", tokens=r.n_tokens) for r in s.lanes
-            )
-        return msg

@@ -3,10 +3,10 @@
 Property-based (hypothesis), in two halves:
 
 * **Pure and fast** — frame decoding (``wire.decode``, ``wire.validate_descriptor``,
-  ``messages.descriptor_from_pb``), config loading (``StageConfig.from_dict``,
-  ``load_config``) and request parsing (``messages.entries_from_request``,
-  ``generate_spec_from_pb``) raise only their documented domain error, and what decodes
-  round-trips.
+  ``codec.descriptor_from_pb``), config loading (``StageConfig.from_dict``,
+  ``load_config``) and request parsing (``codec.step_from_pb`` then
+  ``steps.runtime_entries``, ``codec.generate_spec_from_pb``) raise only their documented
+  domain error, and what decodes round-trips.
 * **Against a real 3-stage SmolLM2 pipeline** (one ``serve`` process per stage, started
   once for the module): hostile IterationBatch, ActivationFrame, ActivationStream,
   Decode, DropSession and Generate requests, and undecodable bytes, to every stage. Each
@@ -26,6 +26,7 @@ are pinned, each by its minimal example, as non-strict ``xfail`` tests (they pas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -43,6 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skippy_stage import wire
+from skippy_stage.codec import DTYPE_TO_PB, GenerateSpec, descriptor_from_pb, generate_spec_from_pb, step_from_pb
 from skippy_stage.config import (
     CACHE_TYPES,
     FLASH_ATTN_TYPES,
@@ -53,14 +55,7 @@ from skippy_stage.config import (
     load_config,
 )
 from skippy_stage.errors import ConfigError, InvalidRequestError, SkippyError
-from skippy_stage.messages import (
-    DTYPE_TO_PB,
-    GenerateSpec,
-    StageShape,
-    descriptor_from_pb,
-    entries_from_request,
-    generate_spec_from_pb,
-)
+from skippy_stage.steps import StageShape, runtime_entries
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -550,11 +545,15 @@ def check_descriptor(case: tuple[wire.FrameDescriptor, dict[str, object], bool])
 
 
 def check_descriptor_from_pb(desc: pb.FrameDescriptor) -> None:
-    try:
-        out = descriptor_from_pb(desc)
-    except InvalidRequestError:
+    """Total: any descriptor converts; one the wire cannot carry is refused by the check."""
+    out = descriptor_from_pb(desc)
+    if out.dtype in wire.DTYPES and out.layout == wire.LAYOUT_TOKEN_MAJOR:
         return
-    assert out.dtype in wire.DTYPES and out.layout == wire.LAYOUT_TOKEN_MAJOR
+    out = dataclasses.replace(out, version=wire.WIRE_VERSION)  # the check looks at the version first
+    with pytest.raises(InvalidRequestError, match=r"frame\.descriptor\.(dtype|layout)="):
+        wire.validate_descriptor(out, payload_len=out.payload_bytes, expected_layer_start=out.layer_end,
+                                 expected_width=out.width, accepted_dtypes=wire.DTYPES, entry_rows=out.token_count,
+                                 entry_count=out.sequence_count)
 
 
 PB_DESCRIPTORS = st.one_of(
@@ -699,7 +698,7 @@ BATCH_REQUESTS = weighted(
 def check_entries_from_request(case: tuple[int, pb.IterationBatchRequest]) -> None:
     index, request = case
     try:
-        entries = entries_from_request(request, SHAPES[index])
+        entries = runtime_entries(step_from_pb(request), SHAPES[index])
     except SkippyError:
         return
     assert len(entries) == len(request.entries)
@@ -727,11 +726,11 @@ def pure_properties(tmp: Path) -> list[tuple[str, st.SearchStrategy, Callable[[o
         ("wire payload -> rows -> payload round-trips", round_trip_inputs(), check_round_trip),
         ("wire rows -> payload -> rows round-trips", encodable_rows(), check_rows_round_trip),
         ("wire.validate_descriptor raises only InvalidRequestError", descriptor_cases(), check_descriptor),
-        ("messages.descriptor_from_pb raises only InvalidRequestError", PB_DESCRIPTORS, check_descriptor_from_pb),
+        ("codec.descriptor_from_pb is total; the check refuses what the wire cannot carry", PB_DESCRIPTORS, check_descriptor_from_pb),
         ("StageConfig.from_dict raises only ConfigError", config_dicts(), check_from_dict),
         ("load_config raises only ConfigError", config_files(), check_load_config(tmp)),
-        ("messages.entries_from_request raises only SkippyError", BATCH_REQUESTS, check_entries_from_request),
-        ("messages.generate_spec_from_pb raises only InvalidRequestError", GENERATE_SPECS, check_generate_spec),
+        ("codec.step_from_pb + steps.runtime_entries raise only SkippyError", BATCH_REQUESTS, check_entries_from_request),
+        ("codec.generate_spec_from_pb raises only InvalidRequestError", GENERATE_SPECS, check_generate_spec),
     ]
 
 
@@ -740,22 +739,22 @@ PURE_DEFAULT = {
     "wire payload -> rows -> payload round-trips": 100,
     "wire rows -> payload -> rows round-trips": 100,
     "wire.validate_descriptor raises only InvalidRequestError": 200,
-    "messages.descriptor_from_pb raises only InvalidRequestError": 100,
+    "codec.descriptor_from_pb is total; the check refuses what the wire cannot carry": 100,
     "StageConfig.from_dict raises only ConfigError": 200,
     "load_config raises only ConfigError": 100,
-    "messages.entries_from_request raises only SkippyError": 100,
-    "messages.generate_spec_from_pb raises only InvalidRequestError": 100,
+    "codec.step_from_pb + steps.runtime_entries raise only SkippyError": 100,
+    "codec.generate_spec_from_pb raises only InvalidRequestError": 100,
 }
 PURE_SLOW = {
     "wire.decode raises only InvalidRequestError": 2000,
     "wire payload -> rows -> payload round-trips": 1000,
     "wire rows -> payload -> rows round-trips": 1000,
     "wire.validate_descriptor raises only InvalidRequestError": 2000,
-    "messages.descriptor_from_pb raises only InvalidRequestError": 1000,
+    "codec.descriptor_from_pb is total; the check refuses what the wire cannot carry": 1000,
     "StageConfig.from_dict raises only ConfigError": 2000,
     "load_config raises only ConfigError": 1000,
-    "messages.entries_from_request raises only SkippyError": 1500,
-    "messages.generate_spec_from_pb raises only InvalidRequestError": 1000,
+    "codec.step_from_pb + steps.runtime_entries raise only SkippyError": 1500,
+    "codec.generate_spec_from_pb raises only InvalidRequestError": 1000,
 }
 
 

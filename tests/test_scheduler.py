@@ -18,8 +18,9 @@ from collections.abc import Callable
 import pytest
 
 from skippy_stage.errors import CapacityError, DownstreamError, SkippyError
+from skippy_stage.sampling import SamplingParams
 from skippy_stage.scheduler import End, Failed, Scheduler, SchedulerLimits, Task
-from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
 
 EOG = 1  # the fake model's end-of-generation token; token_at never returns it
 WAIT_S = 2.0  # longest any test waits for one event
@@ -34,8 +35,8 @@ class FakeChain:
     """Stands in for the stages below the head: answers steps, records steps and drops."""
 
     def __init__(self, *, eog_at: dict[str, int] | None = None, delay_s: float = 0.0,
-                 fail: Callable[[pb.IterationBatchRequest], SkippyError | None] | None = None) -> None:
-        self.requests: list[pb.IterationBatchRequest] = []
+                 fail: Callable[[Step], SkippyError | None] | None = None) -> None:
+        self.requests: list[Step] = []
         self.drops: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
@@ -44,11 +45,11 @@ class FakeChain:
         self.fail = fail
         self.in_flight = 0
         self.max_in_flight = 0
-        self._arrived: queue.SimpleQueue[pb.IterationBatchRequest] = queue.SimpleQueue()
+        self._arrived: queue.SimpleQueue[Step] = queue.SimpleQueue()
         self._dropped: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
-    def step(self, request: pb.IterationBatchRequest, timeout_s: float) -> pb.IterationBatchResponse:
+    def step(self, request: Step, timeout_s: float) -> Outputs:
         with self._lock:
             self.requests.append(request)
             self.in_flight += 1
@@ -62,26 +63,24 @@ class FakeChain:
             error = self.fail(request) if self.fail is not None else None
             if error is not None:
                 raise error
-            return pb.IterationBatchResponse(outputs=[self._output(e) for e in request.entries],
-                                             final_stage_id="fake-final")
+            return Outputs([self._output(e) for e in request.entries], "fake-final")
         finally:
             with self._lock:
                 self.in_flight -= 1
 
-    def _output(self, entry: pb.BatchEntry) -> pb.EntryOutput:
-        out = pb.EntryOutput(session_id=entry.session_id)
-        if entry.sample_last:
-            position = entry.positions[-1] + 1
-            out.has_token = True
-            out.token = EOG if self.eog_at.get(entry.session_id) == position else token_at(entry.session_id, position)
-        return out
+    def _output(self, entry: StepEntry) -> Output:
+        if not entry.sample_last:
+            return Output(entry.session_id)
+        position = entry.positions[-1] + 1
+        return Output(entry.session_id, EOG if self.eog_at.get(entry.session_id) == position
+                      else token_at(entry.session_id, position))
 
     def drop(self, session_id: str) -> None:
         with self._lock:
             self.drops.append(session_id)
         self._dropped.put(session_id)
 
-    def next_request(self, timeout: float = WAIT_S) -> pb.IterationBatchRequest:
+    def next_request(self, timeout: float = WAIT_S) -> Step:
         """The next request to reach the fake (raises queue.Empty if none arrives in time)."""
         return self._arrived.get(timeout=timeout)
 
@@ -116,7 +115,7 @@ def make_scheduler():
 
 
 def make_task(session_id: str, prompt_len: int, max_tokens: int) -> Task:
-    return Task(session_id=session_id, prompt=list(range(10, 10 + prompt_len)), sampling=pb.SamplingParams(),
+    return Task(session_id=session_id, prompt=list(range(10, 10 + prompt_len)), sampling=SamplingParams(),
                 max_tokens=max_tokens)
 
 
@@ -135,8 +134,8 @@ def expected_tokens(task: Task, n: int | None = None) -> list[int]:
     return [token_at(task.session_id, len(task.prompt) + i) for i in range(n)]
 
 
-def layout(request: pb.IterationBatchRequest) -> list[tuple[str, str]]:
-    return [(e.session_id, "decode" if e.phase == pb.PHASE_DECODE else "prefill") for e in request.entries]
+def layout(request: Step) -> list[tuple[str, str]]:
+    return [(e.session_id, "decode" if e.phase == PHASE_DECODE else "prefill") for e in request.entries]
 
 
 # -- shared batches ------------------------------------------------------------------
@@ -167,7 +166,7 @@ def test_active_sessions_advance_together_in_one_request_per_step_decodes_first(
     assert len({r.request_id for r in chain.requests}) == len(chain.requests)
     for request in chain.requests:
         for entry in request.entries:
-            if entry.phase == pb.PHASE_DECODE:
+            if entry.phase == PHASE_DECODE:
                 # A decode feeds back the token sampled for this very position.
                 assert list(entry.token_ids) == [token_at(entry.session_id, entry.positions[0])]
                 assert entry.sample_last
@@ -199,7 +198,7 @@ def test_prompts_are_prefilled_in_n_ubatch_chunks_within_the_n_batch_budget(make
     for request in chain.requests:
         assert sum(len(e.positions) for e in request.entries) <= 6
         for entry in request.entries:
-            if entry.phase == pb.PHASE_PREFILL:
+            if entry.phase == PHASE_PREFILL:
                 assert list(entry.token_ids) == prompts[entry.session_id][entry.positions[0] : entry.positions[-1] + 1]
 
 

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from skippy_stage import wire
 from skippy_stage.cli import LocalPipeline
-from skippy_stage.messages import descriptor_to_pb
+from skippy_stage.codec import descriptor_to_pb
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 

@@ -15,9 +15,8 @@ from support import split_configs
 
 from skippy_stage.errors import DownstreamError
 from skippy_stage.loader import reference_llama
-from skippy_stage.messages import sampling_to_pb
 from skippy_stage.stage import Stage
-from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.steps import PHASE_DECODE, PHASE_PREFILL, Frame, Outputs, Reply, Step, StepEntry
 
 PROMPT = "The capital of France is"
 N_TOKENS = 12
@@ -42,11 +41,14 @@ def chain(model, cache, *, direct: bool, lanes: list[int] | None = None) -> list
     return stages
 
 
-def step(head: Stage, session: str, start: int, tokens: list[int]) -> pb.IterationBatchResponse:
-    entry = pb.BatchEntry(session_id=session, phase=pb.PHASE_PREFILL if len(tokens) > 1 else pb.PHASE_DECODE,
-                          positions=list(range(start, start + len(tokens))), token_ids=tokens, sample_last=True,
-                          sampling=sampling_to_pb(None))
-    return head.process(pb.IterationBatchRequest(request_id="t", entries=[entry]), 30.0)
+def prefill(session: str, start: int, tokens: list[int]) -> Step:
+    entry = StepEntry(session_id=session, phase=PHASE_PREFILL if len(tokens) > 1 else PHASE_DECODE,
+                      positions=range(start, start + len(tokens)), token_ids=tokens, sample_last=True)
+    return Step(request_id=session, entries=[entry])
+
+
+def step(head: Stage, session: str, start: int, tokens: list[int]) -> Outputs:
+    return head.process(prefill(session, start, tokens), 30.0)
 
 
 def greedy(head: Stage, session: str, prompt: list[int], n: int) -> list[int]:
@@ -110,7 +112,7 @@ def test_a_stage_failing_mid_batch_names_itself_and_every_stage_frees_the_sessio
             bound = {row.session_id for row in stage.runtime.stats().lanes if row.session_id}
             assert bound == {"first"}, (stage.config.stage_id, bound)
         # The first session goes on undisturbed.
-        assert step(stages[0], "first", len(prompt), [1]).outputs[0].has_token
+        assert step(stages[0], "first", len(prompt), [1]).outputs[0].token is not None
     finally:
         close(stages)
 
@@ -158,12 +160,10 @@ class _Collector:
         self.config = config
         self.runtime = object()
         self.inbound = Inbound()
-        self.frames: list[pb.HopRequest] = []
+        self.frames: list[Frame] = []
 
-    def accept_frame(self, hop, sink) -> None:
-        copy = pb.HopRequest()
-        copy.CopyFrom(hop)
-        self.frames.append(copy)
+    def accept_frame(self, frame: Frame, sink) -> None:
+        self.frames.append(frame)
 
 
 def test_frames_that_arrive_together_run_in_one_decode_and_each_gets_its_own_outputs(smollm2, slice_cache, expected):
@@ -177,21 +177,19 @@ def test_frames_that_arrive_together_run_in_one_decode_and_each_gets_its_own_out
     try:
         for session in ("a", "b"):
             with pytest.raises(DownstreamError):  # nothing answers: the collector keeps the frame
-                stages[0].process(pb.IterationBatchRequest(request_id=session, entries=[pb.BatchEntry(
-                    session_id=session, phase=pb.PHASE_PREFILL, positions=list(range(len(prompt))), token_ids=prompt,
-                    sample_last=True, sampling=sampling_to_pb(None))]), 0.2)
+                stages[0].process(prefill(session, 0, prompt), 0.2)
         assert len(collector.frames) == 2
-        together: list[pb.HopReply] = []
+        together: list[Reply] = []
         final.accept_frames(collector.frames, together.append)
-        assert [r.code for r in together] == [0, 0]
-        assert [r.response.outputs[0].session_id for r in together] == ["a", "b"]
+        assert [r.code for r in together] == ["OK", "OK"]
+        assert [r.outputs.outputs[0].session_id for r in together] == ["a", "b"]
         assert final.metrics.registry.get_sample_value("skippy_coalesced_frames_total") == 2
         for session in ("a", "b"):
             final.drop_session(session, 1.0)
-        alone: list[pb.HopReply] = []
-        for hop in collector.frames:
-            final.accept_frame(hop, alone.append)
-        assert [r.response.outputs[0].token for r in together] == [r.response.outputs[0].token for r in alone]
-        assert together[0].response.outputs[0].token == tokens[0]
+        alone: list[Reply] = []
+        for frame in collector.frames:
+            final.accept_frame(frame, alone.append)
+        assert [r.outputs.outputs[0].token for r in together] == [r.outputs.outputs[0].token for r in alone]
+        assert together[0].outputs.outputs[0].token == tokens[0]
     finally:
         close(stages)
