@@ -1,5 +1,5 @@
 import sys
 
-from skippy_stage.cli import main
+from skippy_stage.cli.commands import main
 
 sys.exit(main())

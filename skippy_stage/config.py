@@ -12,12 +12,26 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from skippy_stage.errors import ConfigError
 
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+# Bytes per element of each KV cache type (llama.cpp's ggml block sizes: quantised types
+# store 32 elements per block). The one table of cache types; its keys are the names.
+CACHE_TYPE_BYTES: dict[str, Fraction] = {
+    "f32": Fraction(4),
+    "f16": Fraction(2),
+    "bf16": Fraction(2),
+    "q8_0": Fraction(34, 32),
+    "q4_0": Fraction(18, 32),
+    "q4_1": Fraction(20, 32),
+    "iq4_nl": Fraction(18, 32),
+    "q5_0": Fraction(22, 32),
+    "q5_1": Fraction(24, 32),
+}
+CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 FLASH_ATTN_TYPES = ("auto", "disabled", "enabled")
 LOAD_MODES = ("runtime-slice", "artifact-slice", "layer-package")
 # The seed's split modes; "auto" leaves llama.cpp's default (layer).
@@ -26,6 +40,8 @@ WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
 HOP_TRANSPORTS = ("tcp", "stream")
 # llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences (lanes) than this.
 MAX_LANES = 256
+# Longest session id any stage accepts (it names a lane in logs, status and metrics).
+MAX_SESSION_ID_LEN = 256
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://")
 _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
@@ -181,6 +197,16 @@ class StageConfig:
     # A generation whose chain fails waits this long for it to come back, then re-prefills
     # its tokens through it and continues; 0: fail at once.
     recovery_wait_s: float = 15.0
+    # Timeouts, each named by its scope: one frame or control call to the downstream (capped
+    # further by the caller's deadline); one health probe of it, and the pause between probes;
+    # one generation step at the head, end to end; freeing a finished session on every stage.
+    hop_timeout_s: float = 30.0
+    health_probe_s: float = 1.0
+    health_interval_s: float = 0.5
+    step_timeout_s: float = 60.0
+    drop_timeout_s: float = 5.0
+    # Threads serving gRPC calls (a Generate stream holds one for its whole length).
+    grpc_workers: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bind_addr", strip_tcp_scheme(self.bind_addr))
@@ -423,6 +449,14 @@ def _validate(cfg: StageConfig) -> None:
     if isinstance(cfg.recovery_wait_s, bool) or not isinstance(cfg.recovery_wait_s, (int, float)) \
             or not 0 <= cfg.recovery_wait_s <= 3600:
         raise _fail(cfg, "recovery_wait_s", cfg.recovery_wait_s, "must be a number of seconds in [0, 3600]")
+    for name, limit in (("hop_timeout_s", 3600), ("health_probe_s", 60), ("health_interval_s", 60),
+                        ("step_timeout_s", 3600), ("drop_timeout_s", 600)):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= limit:
+            raise _fail(cfg, name, value, f"must be a number of seconds in (0, {limit}]")
+    _require_int(cfg, "grpc_workers", 1)
+    if cfg.grpc_workers > 1024:
+        raise _fail(cfg, "grpc_workers", cfg.grpc_workers, "must be <= 1024")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)
     if cfg.n_ubatch > cfg.n_batch:
         raise _fail(cfg, "n_ubatch", cfg.n_ubatch, f"must be <= n_batch={cfg.n_batch}")

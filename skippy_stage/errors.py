@@ -1,17 +1,21 @@
 """The exception tree of skippy-stage, and nothing else.
 
 Errors are raised where they are detected, as one of these types; the gRPC edge maps
-them to status codes in exactly one place (``service.status_for``), so a newcomer can
-read here what a client may see::
+them to status codes in exactly one place (``stage.status.status_for``; the HTTP edge maps
+those to HTTP in ``server.openai_api.http_error_for``), so a newcomer can read here what a
+client may see::
 
     SkippyError
     ├── ConfigError               bad stage config               -> (start-up failure)
+    ├── PlanError                 the nodes cannot hold the model -> (``plan`` fails)
     ├── UnsupportedModelError     architecture not proven        -> FAILED_PRECONDITION
     ├── SliceError                a GGUF could not be sliced     -> (start-up failure)
     ├── InvalidRequestError       a client field is wrong        -> INVALID_ARGUMENT
+    │   └── InvalidFieldError     ... naming it for OpenAI's ``param``
     ├── SessionStateError         request out of session order   -> FAILED_PRECONDITION
     ├── UnknownSessionError       session not on this stage      -> NOT_FOUND
     ├── CapacityError             no lane or KV cells left       -> RESOURCE_EXHAUSTED
+    ├── StageUnavailableError     this stage is loading/draining -> UNAVAILABLE
     ├── DownstreamError           the next stage failed          -> UNAVAILABLE (names it)
     └── RuntimeFailure            llama.cpp refused a valid call -> INTERNAL
 
@@ -30,6 +34,10 @@ class ConfigError(SkippyError):
     """A stage config is malformed; the message names stage_id, field and value."""
 
 
+class PlanError(SkippyError):
+    """The nodes cannot hold the model as asked; the message says by how much."""
+
+
 class UnsupportedModelError(SkippyError):
     """The model's architecture (or shape) has no equivalence proof, so it is refused."""
 
@@ -42,6 +50,14 @@ class InvalidRequestError(SkippyError):
     """A client-supplied field is invalid; nothing reached llama.cpp."""
 
 
+class InvalidFieldError(InvalidRequestError):
+    """A request field is invalid; ``param`` names it for OpenAI's error shape."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class SessionStateError(SkippyError):
     """A request is well-formed but does not fit the session's current state."""
 
@@ -51,7 +67,18 @@ class UnknownSessionError(SkippyError):
 
 
 class CapacityError(SkippyError):
-    """No lane or KV cells are left for the request; retrying later may succeed."""
+    """No lane or KV cells are left for the request; retrying later may succeed.
+
+    ``retry_after_s``, when set, is how long the refusing side suggests waiting (the HTTP
+    edge sends it as Retry-After)."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StageUnavailableError(SkippyError):
+    """This stage cannot take work now: still loading, draining or stopped."""
 
 
 class DownstreamError(SkippyError):

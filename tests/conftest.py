@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from skippy_stage.models import gemma3_path, smollm2_path
+from skippy_stage.model.packaged import gemma3_path, smollm2_path
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
@@ -41,13 +41,13 @@ def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
     Returns a function ``(model, ranges, **config_overrides) -> LocalPipeline``; an
     override given as a list holds one value per stage.
     """
-    from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
+    from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
 
     started: list[LocalPipeline] = []
 
     def start(model: Path, ranges: list[tuple[int, int]], log_dir: Path | None = None, return_path: str = "direct",
               **extra: object) -> LocalPipeline:
-        ports = _free_ports("127.0.0.1", len(ranges))
+        ports = free_ports("127.0.0.1", len(ranges))
         # Stages on one host share its cores (as `skippy-stage up` does): cores / stages threads each.
         threads = max(1, (os.cpu_count() or 1) // len(ranges))
         extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, "n_threads": threads, **extra}

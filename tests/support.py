@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from skippy_stage.config import PeerConfig, StageConfig
-from skippy_stage.runtime import BatchEntry, EntryResult, StageRuntime
-from skippy_stage.sampling import SamplingParams
+from skippy_stage.model.runtime import BatchEntry, EntryResult, StageRuntime
+from skippy_stage.model.sampling import SamplingParams
 
 
 def split_configs(model: Path, ranges: Sequence[tuple[int, int]], cache_dir: Path, **overrides: object) -> list[StageConfig]:

@@ -13,8 +13,8 @@ import pytest
 import structlog.testing
 from support import split_configs
 
-from skippy_stage import capture
-from skippy_stage.runtime import BatchEntry, StageRuntime
+from skippy_stage.model import capture
+from skippy_stage.model.runtime import BatchEntry, StageRuntime
 
 
 def test_the_compiled_capture_is_built_with_the_package():

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from skippy_stage.cli import _generate
+from skippy_stage.cli.client import generate
 from skippy_stage.errors import SkippyError
-from skippy_stage.loader import reference_llama
+from skippy_stage.model.loader import reference_llama
 
 MAX_TOKENS = 24
 PARAGRAPH = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. Over centuries, "
@@ -63,7 +63,7 @@ def test_a_1500_token_prompt_through_up_with_default_flags_gives_exactly_the_ref
     assert 1500 <= n_prompt < 2048 - MAX_TOKENS
 
     out = io.StringIO()
-    figures = _generate(up, prompt, max_tokens=MAX_TOKENS, temperature=0.0, seed=None, chat=False, out=out)
+    figures = generate(up, prompt, max_tokens=MAX_TOKENS, temperature=0.0, seed=None, chat=False, out=out)
 
     assert figures["completion_tokens"] == MAX_TOKENS
     assert out.getvalue() == expected
@@ -77,7 +77,7 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_the_setting(smollm2,
         llm.close()
 
     with pytest.raises(SkippyError) as info:
-        _generate(up, prompt, max_tokens=8, temperature=0.0, seed=None, chat=False, out=io.StringIO())
+        generate(up, prompt, max_tokens=8, temperature=0.0, seed=None, chat=False, out=io.StringIO())
 
     message = str(info.value)
     assert "INVALID_ARGUMENT" in message and "a session holds at most 8192" in message

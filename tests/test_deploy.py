@@ -25,9 +25,9 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from skippy_stage.config import StageConfig, load_config, parse_endpoint
-from skippy_stage.models import SMOLLM2_FILE
-from skippy_stage.planner import health_probe
-from skippy_stage.slicing import read_model_info
+from skippy_stage.model.packaged import SMOLLM2_FILE
+from skippy_stage.model.slicing import read_model_info
+from skippy_stage.ops.planner import health_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

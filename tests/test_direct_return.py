@@ -16,7 +16,7 @@ import grpc
 import pytest
 from test_pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, status
 
-from skippy_stage.cli import _free_ports
+from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -43,7 +43,7 @@ def reference(smollm2):
 
 def test_the_final_stage_returns_tokens_straight_to_the_head_and_the_text_is_unchanged(
         smollm2, start_pipeline, reference):
-    metrics = _free_ports("127.0.0.1", 3)
+    metrics = free_ports("127.0.0.1", 3)
     pipeline = start_pipeline(smollm2, THREE, n_threads=1, metrics_port=metrics)
     assert pipeline.configs[2]["return_to"]["endpoint"] == pipeline.head_endpoint
     text, last = grpc_generate(pipeline.head_endpoint, PROMPT, 24)
@@ -66,8 +66,8 @@ def test_relay_only_gives_the_same_text(smollm2, start_pipeline, reference):
 def test_a_head_the_final_stage_cannot_reach_costs_only_the_relay(smollm2, start_pipeline, reference):
     """return_to names a port nobody listens on: every direct return fails to send, the
     relayed copy settles every step, and the text is the same."""
-    dead = _free_ports("127.0.0.1", 1)[0]
-    metrics = _free_ports("127.0.0.1", 2)
+    dead = free_ports("127.0.0.1", 1)[0]
+    metrics = free_ports("127.0.0.1", 2)
     pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=metrics,
                               return_to=[None, {"stage_id": "stage-0", "stage_index": 0,
                                                 "endpoint": f"127.0.0.1:{dead}"}])

@@ -9,13 +9,13 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
+from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 
 def two_stages(smollm2, slice_cache) -> list[dict]:
-    ports = _free_ports("127.0.0.1", 2)
+    ports = free_ports("127.0.0.1", 2)
     return pipeline_configs(str(smollm2), [(0, 10), (10, 30)], host="127.0.0.1", ports=ports,
                             extra={"cache_dir": str(slice_cache), "n_threads": 1})
 

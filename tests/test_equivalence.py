@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support import Chain, split_configs
 
-from skippy_stage.loader import reference_llama
+from skippy_stage.model.loader import reference_llama
 
 PROMPTS = [
     "The capital of France is",

@@ -43,8 +43,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippy_stage import wire
-from skippy_stage.codec import DTYPE_TO_PB, GenerateSpec, descriptor_from_pb, generate_spec_from_pb, step_from_pb
 from skippy_stage.config import (
     CACHE_TYPES,
     FLASH_ATTN_TYPES,
@@ -55,7 +53,9 @@ from skippy_stage.config import (
     load_config,
 )
 from skippy_stage.errors import ConfigError, InvalidRequestError, SkippyError
-from skippy_stage.steps import StageShape, runtime_entries
+from skippy_stage.stage import wire
+from skippy_stage.stage.codec import DTYPE_TO_PB, GenerateSpec, descriptor_from_pb, generate_spec_from_pb, step_from_pb
+from skippy_stage.stage.steps import StageShape, runtime_entries
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -759,7 +759,7 @@ PURE_SLOW = {
 
 
 # Hostile payloads (an int8 scale of inf, say) decode to inf or NaN with numpy's warning.
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:skippy_stage.wire")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:skippy_stage.stage.wire")
 @pytest.mark.parametrize("name", list(PURE_DEFAULT))
 def test_pure_property(name: str, tmp_path: Path) -> None:
     strategy, check = next((s, c) for n, s, c in pure_properties(tmp_path) if n == name)
@@ -1003,7 +1003,7 @@ class Case:
     def _build(self, spec: BatchSpec, stage: int) -> pb.IterationBatchRequest:
         return build_batch(spec, stage, lambda sid: self.next_pos.get((stage, sid), 0))
 
-    def _generate(self, call: Iterator[object], what: str, also: frozenset = frozenset()) -> None:
+    def generate(self, call: Iterator[object], what: str, also: frozenset = frozenset()) -> None:
         """Read up to three messages, then hang up (the stage must free the session)."""
         try:
             for received, _ in enumerate(call, start=1):
@@ -1233,7 +1233,7 @@ def test_an_error_echoing_a_huge_value_keeps_its_code(pipeline: Pipeline, stage:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:skippy_stage.wire")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:skippy_stage.stage.wire")
 def test_slow_ten_thousand_hostile_cases(pipeline: Pipeline, tmp_path: Path) -> None:
     started = time.monotonic()
     counts: dict[str, int] = {}

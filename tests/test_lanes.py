@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import pytest
 
 from skippy_stage.errors import CapacityError, SessionStateError, UnknownSessionError
-from skippy_stage.lanes import Admission, LaneStats, LaneTable
+from skippy_stage.model.lanes import Admission, LaneStats, LaneTable
 
 
 class Resets:

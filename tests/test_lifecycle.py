@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from skippy_stage.cli import _free_ports
+from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -36,7 +36,7 @@ def last_line(err: str) -> str:
 
 @pytest.fixture
 def base_config(smollm2, slice_cache):
-    port = _free_ports("127.0.0.1", 1)[0]
+    port = free_ports("127.0.0.1", 1)[0]
     return {"model_path": str(smollm2), "stage_id": "stage-0", "stage_index": 0, "layer_start": 0,
             "layer_end": 30, "bind_addr": f"127.0.0.1:{port}", "cache_dir": str(slice_cache), "n_threads": 1}
 
@@ -64,7 +64,7 @@ def test_a_port_in_use_exits_non_zero_naming_the_address(tmp_path, base_config):
 
 
 def test_a_downstream_that_never_becomes_ready_exits_non_zero_naming_it(tmp_path, base_config):
-    dead = _free_ports("127.0.0.1", 1)[0]
+    dead = free_ports("127.0.0.1", 1)[0]
     config = {**base_config, "layer_end": 15, "downstream_ready_timeout_s": 2,
               "downstream": {"stage_id": "stage-1", "stage_index": 1, "endpoint": f"127.0.0.1:{dead}"}}
     started = time.monotonic()

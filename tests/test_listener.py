@@ -16,10 +16,10 @@ import grpc
 import numpy as np
 import pytest
 
-from skippy_stage import framing
-from skippy_stage.codec import sampling_to_pb
-from skippy_stage.listener import MAX_CONNECTIONS
 from skippy_stage.security import Credentials
+from skippy_stage.stage import framing
+from skippy_stage.stage.codec import sampling_to_pb
+from skippy_stage.stage.listener import MAX_CONNECTIONS
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 

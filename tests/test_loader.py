@@ -16,10 +16,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from skippy_stage import host, loader
 from skippy_stage.config import PeerConfig, StageConfig
 from skippy_stage.errors import ConfigError
-from skippy_stage.runtime import BatchEntry, StageRuntime
+from skippy_stage.model import host, loader
+from skippy_stage.model.runtime import BatchEntry, StageRuntime
 
 
 def stage(model: Path, cache_dir: Path, **fields: object) -> StageConfig:

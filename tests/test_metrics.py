@@ -8,7 +8,7 @@ import urllib.request
 
 from test_pipeline import grpc_generate
 
-from skippy_stage.cli import _free_ports
+from skippy_stage.cli.local import free_ports
 
 
 def scrape(port: int) -> str:
@@ -29,7 +29,7 @@ def value(text: str, name: str, **labels: str) -> float:
 
 
 def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pipeline):
-    metrics_ports = _free_ports("127.0.0.1", 2)
+    metrics_ports = free_ports("127.0.0.1", 2)
     pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=metrics_ports)
     try:
         text, last = grpc_generate(pipeline.head_endpoint, "The capital of France is", 8)

@@ -28,8 +28,8 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from skippy_stage.cli import _free_ports
-from skippy_stage.loader import reference_llama
+from skippy_stage.cli.local import free_ports
+from skippy_stage.model.loader import reference_llama
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 MAX_TOKENS = 32
@@ -67,7 +67,7 @@ def reference(smollm2):
 
 
 def start_api(start_pipeline, smollm2, **overrides):
-    port = _free_ports("127.0.0.1", 1)[0]
+    port = free_ports("127.0.0.1", 1)[0]
     pipeline = start_pipeline(smollm2, RANGES, http_port=[port, None, None], **STAGE_OPTIONS, **overrides)
     return pipeline, f"http://127.0.0.1:{port}/v1"
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from skippy_stage.loader import reference_llama
+from skippy_stage.model.loader import reference_llama
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -225,9 +225,9 @@ def test_a_stage_killed_and_restarted_mid_generation_is_recovered_with_identical
 def test_a_killed_stage_is_replaced_by_a_configured_alternate_and_the_text_is_unchanged(smollm2, slice_cache, tmp_path):
     """stage-1 lists stage-2b (same layers 20:30) as an alternate: when stage-2 dies, stage-1
     switches to it, the head re-prefills its session through the new chain and goes on."""
-    from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
+    from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
 
-    ports = _free_ports("127.0.0.1", 4)
+    ports = free_ports("127.0.0.1", 4)
     configs = pipeline_configs(str(smollm2), [(0, 10), (10, 20), (20, 30)], host="127.0.0.1", ports=ports[:3],
                                extra={"cache_dir": str(slice_cache), "n_threads": 1, "recovery_wait_s": 60})
     alternate = {**configs[2], "stage_id": "stage-2b", "bind_addr": f"127.0.0.1:{ports[3]}"}

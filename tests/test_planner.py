@@ -18,7 +18,8 @@ import yaml
 from test_deploy import check_chain, check_stage_manifests, compose_service_configs, load_docs, validate_manifest
 
 from skippy_stage.config import load_config
-from skippy_stage.planner import (
+from skippy_stage.model.slicing import stage_file
+from skippy_stage.ops.planner import (
     DEFAULT_FRAME_PORT,
     GIB,
     MIB,
@@ -34,7 +35,6 @@ from skippy_stage.planner import (
     read_footprint,
     write_plan,
 )
-from skippy_stage.slicing import stage_file
 
 N_LAYERS = 30
 N_EMBD_KV = 3 * (576 // 9)  # head_count_kv x head size = 192

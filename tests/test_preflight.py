@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_stage import host
+from skippy_stage.model import host
 
 
 def skippy(*args: str) -> subprocess.CompletedProcess[str]:

@@ -22,8 +22,8 @@ import pytest
 from support import Chain, Step, split_configs
 
 from skippy_stage.errors import CapacityError, InvalidRequestError, SessionStateError, UnknownSessionError
-from skippy_stage.runtime import BatchEntry, StageRuntime
-from skippy_stage.sampling import SamplingParams
+from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.sampling import SamplingParams
 
 N_BATCH = 64
 CTX_SIZE = 512

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import pytest
 
 from skippy_stage.errors import CapacityError, DownstreamError, SkippyError
-from skippy_stage.sampling import SamplingParams
-from skippy_stage.scheduler import End, Failed, Scheduler, SchedulerLimits, Task
-from skippy_stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
+from skippy_stage.head.scheduler import End, Failed, Scheduler, SchedulerLimits, Task
+from skippy_stage.model.sampling import SamplingParams
+from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
 
 EOG = 1  # the fake model's end-of-generation token; token_at never returns it
 WAIT_S = 2.0  # longest any test waits for one event

@@ -169,7 +169,7 @@ def frame_port(pipeline, files, index: int) -> int:
 
 
 def dial(port: int, creds: Credentials):
-    from skippy_stage import framing
+    from skippy_stage.stage import framing
 
     return framing.dial("127.0.0.1", port, creds=creds, purpose=pb.FrameHello.PURPOSE_HOP, stage_id="test",
                         max_message_bytes=1 << 20, timeout_s=5)
@@ -178,7 +178,7 @@ def dial(port: int, creds: Credentials):
 @pytest.mark.parametrize("who", ["plaintext", "no-client-certificate", "another-ca"])
 def test_the_frame_listener_refuses_what_the_grpc_listener_refuses(secure_pipeline, pki, who):
     """Frames leave gRPC, not its guards: TLS, mutual TLS, and then the token."""
-    from skippy_stage import framing
+    from skippy_stage.stage import framing
 
     files, _ = pki
     creds = {"plaintext": Credentials(token=TOKEN), "no-client-certificate": Credentials(ca=files["ca"], token=TOKEN),
@@ -194,7 +194,7 @@ def test_the_frame_listener_refuses_what_the_grpc_listener_refuses(secure_pipeli
 
 @pytest.mark.parametrize("token", [None, "wrong-token"], ids=["no-token", "wrong-token"])
 def test_the_frame_listener_wants_the_token_in_the_hello(secure_pipeline, pki, token):
-    from skippy_stage import framing
+    from skippy_stage.stage import framing
 
     files, _ = pki
     port = frame_port(secure_pipeline, files, 1)
@@ -209,11 +209,11 @@ def test_a_tls_mismatch_between_neighbours_is_refused_naming_both_ends(smollm2, 
     """stage-0 dials with TLS, stage-1 serves plaintext: the head never serves, and says why."""
     import time
 
-    from skippy_stage.cli import LocalPipeline, _free_ports, pipeline_configs
+    from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
 
     files, paths = pki
     configs = pipeline_configs(str(smollm2), [(0, 15), (15, 30)], host="127.0.0.1",
-                               ports=_free_ports("127.0.0.1", 2),
+                               ports=free_ports("127.0.0.1", 2),
                                extra={"cache_dir": str(slice_cache), "n_threads": 1})
     configs[0].update(tls_cert_path=paths["stage_cert"], tls_key_path=paths["stage_key"], tls_ca_path=paths["ca"])
     pipeline = LocalPipeline(configs, tmp_path)

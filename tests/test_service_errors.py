@@ -24,9 +24,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from skippy_stage import wire
-from skippy_stage.cli import LocalPipeline
-from skippy_stage.codec import descriptor_to_pb
+from skippy_stage.cli.local import LocalPipeline
+from skippy_stage.stage import wire
+from skippy_stage.stage.codec import descriptor_to_pb
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 

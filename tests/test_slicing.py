@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from skippy_stage.errors import ConfigError, UnsupportedModelError
-from skippy_stage.slicing import (
+from skippy_stage.model.slicing import (
     ACCEPTED_ARCHITECTURES,
     MANIFEST_SUFFIX,
     StageFile,

@@ -14,9 +14,9 @@ import pytest
 from support import split_configs
 
 from skippy_stage.errors import DownstreamError
-from skippy_stage.loader import reference_llama
-from skippy_stage.stage import Stage
-from skippy_stage.steps import PHASE_DECODE, PHASE_PREFILL, Frame, Outputs, Reply, Step, StepEntry
+from skippy_stage.model.loader import reference_llama
+from skippy_stage.stage.stage import Stage
+from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Frame, Outputs, Reply, Step, StepEntry
 
 PROMPT = "The capital of France is"
 N_TOKENS = 12
@@ -155,7 +155,7 @@ class _Collector:
     """Stands in for the final stage below stage-1: keeps the frames it is sent."""
 
     def __init__(self, config) -> None:
-        from skippy_stage.stage import Inbound
+        from skippy_stage.stage.stage import Inbound
 
         self.config = config
         self.runtime = object()

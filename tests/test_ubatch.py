@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from skippy_stage.ubatch import compute_order
+from skippy_stage.model.ubatch import compute_order
 
 
 def assert_each_index_once(seq_ids: Sequence[int], ubatches: list[list[int]]) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from skippy_stage.config import WIRE_DTYPES
 from skippy_stage.errors import InvalidRequestError
-from skippy_stage.wire import (
+from skippy_stage.stage.wire import (
     DTYPES,
     LAYOUT_TOKEN_MAJOR,
     WIRE_VERSION,

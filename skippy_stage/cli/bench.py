@@ -1,0 +1,569 @@
+"""``skippy-stage bench``: what a split costs, as ratios against the unsplit model, in one run.
+
+Everything runs here, now, on the packaged SmolLM2: the single-process llama-cpp-python
+baseline and real pipelines of ``serve`` processes on loopback, with the same thread
+budget on both sides (all cores for the single process and for each stage: only the stage
+holding the token computes). Single-stream decode runs in interleaved rounds, medians
+reported. The numbers are reported, never asserted: machines are noisy, so only same-run
+ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from skippy_stage.cli.client import generate
+from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
+from skippy_stage.config import StageConfig
+from skippy_stage.model.packaged import smollm2_path
+from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.stage import wire
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+# SKIPPY_BENCH_QUICK=1 shrinks every run (the test suite uses it to check the report's shape).
+_QUICK = os.environ.get("SKIPPY_BENCH_QUICK") == "1"
+DECODE_TOKENS = 16 if _QUICK else 128
+AGG_TOKENS = 8 if _QUICK else 64
+DECODE_ROUNDS = 1 if _QUICK else 3
+PREFILL_TOKENS = 64 if _QUICK else 512
+CONCURRENCY = (1, 4, 8)
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
+def _long_prompt(runtime: StageRuntime, n_tokens: int) -> tuple[str, list[int]]:
+    paragraph = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. "
+                 "Over centuries, towers of stone replaced the fires, and lenses replaced the open flame. ")
+    text = paragraph
+    while len(runtime.tokenize(text)) < n_tokens:
+        text += paragraph
+    tokens = runtime.tokenize(text)[:n_tokens]
+    return text, tokens
+
+
+class SingleDecoder:
+    """The unsplit model in this process (llama-cpp-python's Llama), kept loaded so its
+    decode runs can be interleaved with the pipelines' runs."""
+
+    def __init__(self, model: Path, threads: int) -> None:
+        from skippy_stage.model.loader import reference_llama
+
+        self.llm = reference_llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+        self.tokens = self.llm.tokenize(PROMPT.encode())
+
+    def ms_per_token(self) -> float:
+        started = time.perf_counter()
+        n = 0
+        for _ in self.llm.generate(self.tokens, temp=0.0, reset=True):
+            n += 1
+            if n == 1:
+                started = time.perf_counter()  # from the first sampled token: decode only
+            if n == DECODE_TOKENS + 1:
+                break
+        return (time.perf_counter() - started) / DECODE_TOKENS * 1e3
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, object]:
+    """The unsplit model in this process, batched through the low-level API: prefill and
+    aggregate decode of several sequences."""
+    cfg = StageConfig(model_path=str(model), stage_id="single", stage_index=0, layer_start=0, layer_end=30,
+                      n_threads=threads, lane_count=8, ctx_size=8192, n_batch=512, n_ubatch=512, cache_dir=cache_dir)
+    runtime = StageRuntime(cfg)
+    _, long_tokens = _long_prompt(runtime, PREFILL_TOKENS)
+    started = time.perf_counter()
+    runtime.run_batch([BatchEntry("prefill", np.arange(PREFILL_TOKENS), token_ids=long_tokens, sample=True)])
+    prefill_tps = PREFILL_TOKENS / (time.perf_counter() - started)
+    runtime.drop_session("prefill")
+
+    aggregate = {}
+    prompt = runtime.tokenize(PROMPT)
+    for c in CONCURRENCY:
+        sessions = [f"s{i}" for i in range(c)]
+        started = time.perf_counter()
+        results = runtime.run_batch([BatchEntry(s, np.arange(len(prompt)), token_ids=prompt, sample=True)
+                                     for s in sessions])
+        last = {r.session_id: r.token for r in results}
+        pos = len(prompt)
+        for _ in range(AGG_TOKENS - 1):
+            results = runtime.run_batch([BatchEntry(s, [pos], token_ids=[last[s]], sample=True) for s in sessions])
+            last = {r.session_id: r.token for r in results}
+            pos += 1
+        aggregate[str(c)] = c * AGG_TOKENS / (time.perf_counter() - started)
+        for s in sessions:
+            runtime.drop_session(s)
+    runtime.close()
+    return {"prefill_tps": prefill_tps, "aggregate": aggregate}
+
+
+def stage_threads(n_stages: int) -> int:
+    """llama.cpp threads per local stage, as `up` gives them (all cores: only a busy stage
+    spins); SKIPPY_BENCH_STAGE_THREADS overrides, e.g. 1 for cores/stages on 2 cores."""
+    override = os.environ.get("SKIPPY_BENCH_STAGE_THREADS")
+    return int(override) if override else (os.cpu_count() or 1)
+
+
+class _Pipeline:
+    def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
+                 transport: str | None = None, return_path: str = "direct") -> None:
+        threads = stage_threads(len(ranges))
+        ports = free_ports("127.0.0.1", 2 * len(ranges))
+        ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
+        configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
+            "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
+            **({"hop_transport": transport} if transport else {}),
+        }, return_path=return_path)
+        for cfg, port in zip(configs, self.metrics_ports):
+            cfg["metrics_port"] = port
+        self.local = LocalPipeline(configs, workdir)
+        self.local.wait_serving(300)
+        self.endpoint = self.local.head_endpoint
+
+    def generate(self, prompt: str, max_tokens: int) -> dict[str, float]:
+        return generate(self.endpoint, prompt, max_tokens=max_tokens, temperature=0.0, seed=None, chat=False,
+                         out=io.StringIO())
+
+    def stop(self) -> None:
+        self.local.stop()
+
+
+class _Echo(pb_grpc.StageServiceServicer):
+    """Answers every frame at once: what one hop costs with no stage work at all."""
+
+    def ActivationStream(self, request_iterator, context):  # noqa: ANN001, ANN201, N802
+        for hop in request_iterator:
+            yield pb.HopReply(hop_id=hop.hop_id)
+
+
+def _echo_server(port: int, socket_port: int, frame_port: int, ready) -> None:
+    import socket
+    from concurrent import futures
+
+    import grpc
+
+    from skippy_stage.stage import framing
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = _Echo()
+    pb_grpc.add_StageServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    listener = socket.create_server(("127.0.0.1", socket_port))
+    frames = socket.create_server(("127.0.0.1", frame_port))
+
+    def framed() -> None:
+        conn, _ = frames.accept()
+        framing.tune(conn)
+        link = framing.FrameSocket(conn, max_message_bytes=1 << 20)
+        link.receive()
+        link.send(framing.Kind.WELCOME, pb.FrameWelcome())
+        try:
+            while True:
+                kind, body = link.receive()
+                hop = framing.parse(kind, body, framing.Kind.HOP_REQUEST)
+                link.send(framing.Kind.HOP_REPLY, pb.HopReply(hop_id=hop.hop_id))
+        except framing.LinkClosed:
+            pass
+    threading.Thread(target=framed, daemon=True).start()
+    ready.set()
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while data := conn.recv(65536):
+        if data.endswith(b"\n"):
+            conn.sendall(b"k")
+    server.stop(0)
+
+
+def _round_trips_us(send, wait, rounds: int) -> float:
+    for i in range(rounds // 10):
+        send(i)
+        wait()
+    started = time.perf_counter()
+    for i in range(rounds):
+        send(i)
+        wait()
+    return (time.perf_counter() - started) / rounds * 1e6
+
+
+def hop_floor_us(rounds: int = 2000) -> dict[str, float]:
+    """Round trips of one f32 SmolLM2 frame (2304 bytes) to another process on loopback, with
+    nothing running a model: over the gRPC ActivationStream (this project's StreamHop), over
+    this project's TCP frame transport (``framing``: length-prefixed HopRequest/HopReply),
+    and over a bare TCP socket (the floor of any transport here)."""
+    import multiprocessing
+    import queue as queue_mod
+    import socket
+
+    import grpc
+
+    from skippy_stage.config import PeerConfig
+    from skippy_stage.security import Credentials
+    from skippy_stage.stage import codec, framing
+    from skippy_stage.stage.hops import StreamHop
+    from skippy_stage.stage.steps import Activations, Frame, Step
+
+    port, socket_port, frame_port = free_ports("127.0.0.1", 3)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_echo_server, args=(port, socket_port, frame_port, ready), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the echo server did not start")
+        payload = b"\0" * wire.payload_size("f32", 1, 576)
+        desc = wire.make_descriptor(dtype="f32", producer_stage_index=0, layer_start=0, layer_end=10, token_count=1,
+                                    sequence_count=1, width=576)
+        step = Step(request_id="", entries=[], frame=Activations(desc, payload))
+        replies: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            hop = StreamHop(PeerConfig("echo", 1, f"127.0.0.1:{port}"), pb_grpc.StageServiceStub(channel), (),
+                            translate=lambda err: err, on_reply=replies.put, on_broken=lambda err: None)
+            grpc_us = _round_trips_us(lambda i: hop.send(Frame(step, hop_id=i)),
+                                      lambda: replies.get(timeout=10), rounds)
+            hop.close()
+        link = framing.dial("127.0.0.1", frame_port, creds=Credentials(), purpose=pb.FrameHello.PURPOSE_HOP,
+                            stage_id="bench", max_message_bytes=1 << 20, timeout_s=10)
+        frame_us = _round_trips_us(lambda i: link.send(framing.Kind.HOP_REQUEST, codec.frame_to_pb(Frame(step, hop_id=i))),
+                                   link.receive, rounds)
+        link.close()
+        sock = socket.create_connection(("127.0.0.1", socket_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        frame = payload[:-1] + b"\n"
+        socket_us = _round_trips_us(lambda i: sock.sendall(frame), lambda: sock.recv(1), rounds)
+        sock.close()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return {"grpc_stream_round_trip_us": grpc_us, "tcp_frame_round_trip_us": frame_us,
+            "tcp_socket_round_trip_us": socket_us}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("skippy_") and " " in line:
+            name, _, number = line.rpartition(" ")
+            values[name] = float(number)
+    return values
+
+
+_KINDS = ("compute", "forward_hop", "hop_latency")
+
+
+def _histogram_sums(port: int) -> dict[str, object]:
+    """(sum, count) of the compute, forward-hop and hop-latency histograms of one stage, and
+    the hop-latency bucket counts (for a median)."""
+    values = _scrape(port)
+    out: dict[str, object] = {
+        kind: (values.get(f"skippy_{kind}_seconds_sum", 0.0), values.get(f"skippy_{kind}_seconds_count", 0.0))
+        for kind in _KINDS
+    }
+    prefix = 'skippy_hop_latency_seconds_bucket{le="'
+    out["hop_latency_buckets"] = sorted(
+        (float(name[len(prefix):-2]), count) for name, count in values.items() if name.startswith(prefix))
+    return out
+
+
+def _mean_delta(before: dict, after: dict, kind: str) -> float:
+    (s1, c1), (s0, c0) = after[kind], before[kind]
+    return (s1 - s0) / (c1 - c0) if c1 > c0 else 0.0
+
+
+def hop_overheads_us(before: list[dict], after: list[dict]) -> list[float]:
+    """What one leg costs, from the stages' own histograms: the head's wait for a step's
+    outputs minus what the stages below spent computing, over the legs a token travels
+    (one per stage: down every edge, then back to the head).
+
+    What is left is the transport's own cost: serialisation, the network stack, thread
+    hand-offs and scheduling.
+    """
+    n = len(after)
+    waited = _mean_delta(before[0], after[0], "forward_hop")
+    below = sum(_mean_delta(before[k], after[k], "compute") for k in range(1, n))
+    return [(waited - below) / n * 1e6]
+
+
+def hop_latency_median_us(before: list[dict], after: list[dict]) -> float:
+    """Median of "frame handed to the transport -> compute starts at the next stage" over every
+    stage below the head in one run, interpolated within the histogram's buckets."""
+    total: dict[float, float] = {}
+    for b, a in zip(before[1:], after[1:]):
+        for (le, c1), (_, c0) in zip(a["hop_latency_buckets"], b["hop_latency_buckets"]):
+            total[le] = total.get(le, 0.0) + c1 - c0
+    buckets = sorted(total.items())
+    if not buckets or buckets[-1][1] == 0:
+        return 0.0
+    half = buckets[-1][1] / 2
+    lower_le, lower_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= half:
+            if le == float("inf"):
+                return lower_le * 1e6
+            span = count - lower_count
+            return (lower_le + (le - lower_le) * ((half - lower_count) / span if span else 0.0)) * 1e6
+        lower_le, lower_count = le, count
+    return lower_le * 1e6
+
+
+def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float], list[float], float]:
+    """Single-stream ms/token, each stage's CPU ms per token over the same run, the hop
+    overhead from the stages' histograms, each stage's compute ms per batch, and the median
+    hop latency (send -> compute starts at the next stage).
+
+    A stage computes about a third of the model per token; CPU far above that means its
+    threads spin while it waits, stealing cores from the stage that has work.
+    """
+    pipeline.generate(PROMPT, 8)  # warm the path
+    pids = [p.pid for p in pipeline.local.procs]
+    before = [_cpu_seconds(pid) for pid in pids]
+    hist_before = [_histogram_sums(p) for p in pipeline.metrics_ports]
+    figures = pipeline.generate(PROMPT, DECODE_TOKENS + 1)
+    hist_after = [_histogram_sums(p) for p in pipeline.metrics_ports]
+    after = [_cpu_seconds(pid) for pid in pids]
+    n = figures["completion_tokens"]
+    cpu = [(a - b) / n * 1e3 for a, b in zip(after, before)]
+    compute = [_mean_delta(b, a, "compute") * 1e3 for b, a in zip(hist_before, hist_after)]
+    return (1e3 / figures["tokens_per_s"], cpu, hop_overheads_us(hist_before, hist_after), compute,
+            hop_latency_median_us(hist_before, hist_after))
+
+
+def _aggregate(pipeline: _Pipeline, concurrency: int) -> float:
+    results: list[dict[str, float]] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        figures = pipeline.generate(PROMPT, AGG_TOKENS)
+        with lock:
+            results.append(figures)
+
+    threads = [threading.Thread(target=one) for _ in range(concurrency)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    return sum(r["completion_tokens"] for r in results) / elapsed
+
+
+def run(json_path: str | None = None) -> dict[str, object]:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    model = smollm2_path()
+    cores = os.cpu_count() or 1
+    report: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="skippy-bench-") as tmp:
+        cache_dir = str(Path(tmp) / "slices")
+        decode = _interleaved_decode(model, Path(tmp), cache_dir, cores)
+        report["single_process_ms_per_token"] = decode["single"]["ms"]
+        pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
+        stage_cpu = {n: decode[n]["cpu"] for n in ("2", "3")}
+        hops = {"2": decode["2"]["hops"], "3": decode["3"]["hops"]}
+        report["return_path_comparison_3_stage"] = {"relay_ms_per_token": decode["3-relay"]["ms"],
+                                                    "direct_ms_per_token": decode["3"]["ms"]}
+        report["decode_rounds"] = {name: d["runs"] for name, d in decode.items()}
+        (Path(tmp) / "aggregate").mkdir()
+        pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp) / "aggregate", cache_dir)
+        # Batched decode and prefill, the single process and the pipeline alternating in rounds
+        # (medians), so a noisy moment of the host hits both alike.
+        single_runs: list[dict] = []
+        pipeline_runs: list[dict] = []
+        try:
+            runtime_text = _prefill_prompt(model, cache_dir)
+            pipeline.generate(runtime_text, 1)  # warm
+            for _ in range(DECODE_ROUNDS):
+                single_runs.append(single_process(model, cores, cache_dir))
+                figures = pipeline.generate(runtime_text, 1)
+                pipeline_runs.append({"prefill_tps": PREFILL_TOKENS / figures["ttft_s"],
+                                      "aggregate": {str(c): _aggregate(pipeline, c) for c in CONCURRENCY}})
+        finally:
+            pipeline.stop()
+
+        def median(runs: list[dict], key: str, sub: str | None = None) -> float:
+            return float(np.median([r[key][sub] if sub else r[key] for r in runs]))
+        prefill: dict[str, float] = {"single_process": median(single_runs, "prefill_tps"),
+                                     "pipeline": median(pipeline_runs, "prefill_tps")}
+        aggregate: dict[str, dict[str, float]] = {
+            name: {str(c): median(runs, "aggregate", str(c)) for c in CONCURRENCY}
+            for name, runs in (("single_process", single_runs), ("pipeline", pipeline_runs))}
+        report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
+        report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
+                                        "tcp_frame": report["hop_floor_us"]["tcp_frame_round_trip_us"],
+                                        "tcp_socket": report["hop_floor_us"]["tcp_socket_round_trip_us"]}
+        single_ms = decode["single"]["ms"]
+        report["transport_comparison_3_stage"] = {
+            transport: {"ms_per_token": decode[name]["ms"],
+                        "per_hop_overhead_us": (decode[name]["ms"] - single_ms) / 3 * 1e3,
+                        "hop_latency_us": decode[name]["hop_latency"]}
+            for transport, name in (("tcp", "3"), ("stream", "3-stream"))
+        }
+        report["hop_transport_default"] = StageConfig.__dataclass_fields__["hop_transport"].default
+        # Median "frame handed to the transport -> compute starts at the next stage", from the
+        # stages' own histograms, over the default 3-stage pipeline's decode runs.
+        report["hop_latency_us"] = decode["3"]["hop_latency"]
+        report["pipeline_ms_per_token"] = pipelines_ms
+        report["stage_cpu_ms_per_token"] = stage_cpu
+        # What a token pays per hop, as the client sees it: the 3-stage decode's excess over the
+        # single process, over the 3 legs a token travels (head -> 1 -> 2 -> head, direct return).
+        report["per_hop_overhead_us"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 3 * 1e3
+        # From the stages' own histograms: the head's wait for a step's outputs minus the compute
+        # of the stages below, per leg (2 and 3 stages averaged).
+        all_hops = [h for n in hops.values() for h in n]
+        report["per_hop_overhead_us_histograms"] = sum(all_hops) / len(all_hops)
+        report["per_hop_overhead_us_by_hop"] = hops
+        # Split cost = hidden-state capture + compute inflation + hops: the stages' own compute
+        # per token, summed, next to the single process's whole ms/token.
+        report["stage_compute_ms_per_token"] = {n: sum(decode[n]["compute"]) for n in ("2", "3")}
+        report["stage_compute_ms_by_stage"] = {n: decode[n]["compute"] for n in ("2", "3")}
+        report["openmp_spincount"] = os.environ.get("GOMP_SPINCOUNT", "libgomp default")
+        report["hidden_state_capture"] = _capture_kind()
+        # The whole cost of splitting, per extra stage, as seen by a client.
+        report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 2 * 1e3
+        report["aggregate_tokens_per_s"] = aggregate
+        report["prefill_tokens_per_s"] = prefill
+        report["wire_bytes_per_token"] = {d: wire.payload_size(d, 1, 576) for d in wire.DTYPES}
+        report["ratios"] = {
+            "decode_2_stage": report["single_process_ms_per_token"] / pipelines_ms["2"],
+            "decode_3_stage": report["single_process_ms_per_token"] / pipelines_ms["3"],
+            "aggregate_8_vs_single_batched_8": aggregate["pipeline"]["8"] / aggregate["single_process"]["8"],
+            "aggregate_8_vs_pipeline_1": aggregate["pipeline"]["8"] / aggregate["pipeline"]["1"],
+            "prefill_512": prefill["pipeline"] / prefill["single_process"],
+        }
+        report["conditions"] = {"cores": cores, "model": model.name, "decode_tokens": DECODE_TOKENS,
+                                "aggregate_tokens_per_session": AGG_TOKENS, "prefill_tokens": PREFILL_TOKENS,
+                                "pipeline_threads_per_stage": {"2": stage_threads(2), "3": stage_threads(3)},
+                                "single_process_threads": cores}
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) -> dict[str, dict]:
+    """Single-stream decode of the unsplit model and of every pipeline, in rounds.
+
+    Everything is loaded at once (an idle stage costs ~1 % of a core) and each round runs
+    each contender once, so a slow moment of a noisy machine hits all of them alike; the
+    figures are the medians over the rounds. Contenders: the single process, 2 and 3
+    stages (the defaults: TCP frames, tokens straight back to the head), 3 stages with the
+    tokens relayed back up the edges, 3 stages over the gRPC stream.
+    """
+    three = [(0, 10), (10, 20), (20, 30)]
+    contenders = {"2": ([(0, 15), (15, 30)], "direct", "tcp"), "3": (three, "direct", "tcp"),
+                  "3-relay": (three, "relay", "tcp"), "3-stream": (three, "direct", "stream")}
+    pipelines: dict[str, _Pipeline] = {}
+    single = SingleDecoder(model, cores)
+    runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
+    try:
+        for name, (ranges, return_path, transport) in contenders.items():
+            sub = workdir / f"decode-{name}"
+            sub.mkdir()
+            pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport)
+        single.ms_per_token()  # warm
+        for _ in range(DECODE_ROUNDS):
+            runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
+            for name, pipeline in pipelines.items():
+                runs[name].append(_decode_ms(pipeline))
+    finally:
+        single.close()
+        for pipeline in pipelines.values():
+            pipeline.stop()
+    out = {}
+    for name, values in runs.items():
+        ms = [v[0] for v in values]
+        median = sorted(values, key=lambda v: v[0])[len(values) // 2]
+        out[name] = {"ms": float(np.median(ms)), "runs": ms, "cpu": median[1],
+                     "compute": [float(c) for c in np.median(np.array([v[3] for v in values]), axis=0)]
+                     if name != "single" else [],
+                     "hops": [float(h) for h in np.median(np.array([v[2] for v in values]), axis=0)]
+                     if name != "single" else [],
+                     "hop_latency": float(np.median([v[4] for v in values]))}
+    return out
+
+
+def _capture_kind() -> str:
+    from skippy_stage.model.capture import native_library_path
+
+    return "native" if native_library_path() is not None else "python"
+
+
+def _prefill_prompt(model: Path, cache_dir: str) -> str:
+    """A text of exactly PREFILL_TOKENS tokens for the head's tokenizer."""
+    cfg = StageConfig(model_path=str(model), stage_id="tok", stage_index=0, layer_start=0, layer_end=30,
+                      lane_count=1, ctx_size=1024, cache_dir=cache_dir, n_threads=1)
+    runtime = StageRuntime(cfg)
+    try:
+        text, _ = _long_prompt(runtime, PREFILL_TOKENS)
+        while len(runtime.tokenize(text)) > PREFILL_TOKENS:
+            text = text[:-1]
+        return text
+    finally:
+        runtime.close()
+
+
+def format_table(report: dict[str, object]) -> str:
+    r = report
+    ratios = r["ratios"]
+    agg = r["aggregate_tokens_per_s"]
+    lines = [
+        f"{'measure':44} {'pipeline':>12} {'single':>12} {'ratio':>8} {'target':>8}",
+        f"{'decode ms/token, 2 stages':44} {r['pipeline_ms_per_token']['2']:12.2f} "
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_2_stage']:8.2f} {'>=0.95':>8}",
+        f"{'decode ms/token, 3 stages':44} {r['pipeline_ms_per_token']['3']:12.2f} "
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_3_stage']:8.2f} {'>=0.90':>8}",
+        f"{'per-hop overhead (us, 3-stage excess / 3 legs)':44} {r['per_hop_overhead_us']:12.0f}",
+        f"{'per-hop overhead (us, from stage histograms)':44} {r['per_hop_overhead_us_histograms']:12.0f}",
+    ]
+    for c in ("1", "4", "8"):
+        lines.append(f"{'aggregate tok/s, concurrency ' + c:44} {agg['pipeline'][c]:12.1f} "
+                     f"{agg['single_process'][c]:12.1f} {agg['pipeline'][c] / agg['single_process'][c]:8.2f}"
+                     f" {'>=0.85' if c == '8' else '':>8}")
+    lines.append(f"{'split cost per extra stage (us, client view)':44} {r['split_cost_us_per_extra_stage']:12.0f}")
+    lines.append(f"{'aggregate 8 vs pipeline 1':44} {'':>12} {'':>12} {ratios['aggregate_8_vs_pipeline_1']:8.2f} {'>=1.5':>8}")
+    p = r["prefill_tokens_per_s"]
+    lines.append(f"{'prefill tok/s, 512-token prompt':44} {p['pipeline']:12.1f} {p['single_process']:12.1f} "
+                 f"{ratios['prefill_512']:8.2f} {'>=0.95':>8}")
+    lines.append(f"{'hop latency (us, send -> next stage computes)':44} {r['hop_latency_us']:12.0f} "
+                 f"{'':>12} {'':>8} {'<=200':>8}")
+    for transport, t in r["transport_comparison_3_stage"].items():
+        default = " (default)" if transport == r["hop_transport_default"] else ""
+        lines.append(f"3 stages over {transport:6}: {t['ms_per_token']:.2f} ms/token, per-hop overhead "
+                     f"{t['per_hop_overhead_us']:.0f} us, hop latency {t['hop_latency_us']:.0f} us{default}")
+    rp = r["return_path_comparison_3_stage"]
+    lines.append(f"3 stages, tokens relayed back: {rp['relay_ms_per_token']:.2f} ms/token; "
+                 f"straight to the head: {rp['direct_ms_per_token']:.2f} ms/token (medians, interleaved runs)")
+    floor = r["hop_floor_us"]
+    lines.append(f"hop floor, 2304-byte frame to another process and back: grpcio stream "
+                 f"{floor['grpc_stream_round_trip_us']:.0f} us, TCP frames {floor['tcp_frame_round_trip_us']:.0f} us, "
+                 f"bare TCP socket {floor['tcp_socket_round_trip_us']:.0f} us")
+    for n, cpu in r["stage_cpu_ms_per_token"].items():
+        lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
+    for n, by_stage in r["stage_compute_ms_by_stage"].items():
+        lines.append(f"compute ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in by_stage)
+                     + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "
+                       f"{r['single_process_ms_per_token']:.2f} in all)")
+    lines.append(f"OpenMP spin count {r['openmp_spincount']}; hidden-state capture {r['hidden_state_capture']}")
+    lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""A gRPC client of the head's ``Generate``: what ``generate``, ``demo`` and ``bench`` call."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from skippy_stage.errors import SkippyError
+from skippy_stage.security import Credentials
+
+# Longest a client waits for one whole generation.
+GENERATE_TIMEOUT_S = 600
+
+
+def client_credentials(args: argparse.Namespace) -> Credentials:
+    """TLS material and token for a client, from --tls-ca/--tls-cert/--tls-key/--token-file."""
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    cert = read(args.tls_cert)
+    ca = read(args.tls_ca)
+    return Credentials(cert=cert, key=read(args.tls_key), ca=ca, token=token)
+
+
+def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float, seed: int | None,
+              chat: bool, out: TextIO = sys.stdout, credentials: Credentials | None = None) -> dict[str, float]:
+    import grpc
+
+    from skippy_stage.v1 import stage_pb2 as pb
+    from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams(temperature=temperature)
+    if seed is not None:
+        sampling.seed = seed
+    request = pb.GenerateRequest(max_tokens=max_tokens, sampling=sampling)
+    if chat:
+        request.messages.append(pb.ChatMessage(role="user", content=prompt))
+    else:
+        request.prompt = prompt
+    started = time.perf_counter()
+    first = None
+    final = None
+    credentials = credentials or Credentials()
+    with credentials.channel(endpoint, []) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        try:
+            for msg in stub.Generate(request, timeout=GENERATE_TIMEOUT_S, metadata=credentials.call_metadata()):
+                if msg.text:
+                    if first is None:
+                        first = time.perf_counter() - started
+                    out.write(msg.text)
+                    out.flush()
+                if msg.done:
+                    final = msg
+        except grpc.RpcError as err:
+            raise SkippyError(f"Generate failed: {err.code().name}: {err.details()}") from None
+    elapsed = time.perf_counter() - started
+    n = final.completion_tokens if final else 0
+    return {"ttft_s": first or elapsed, "seconds": elapsed, "completion_tokens": n,
+            "tokens_per_s": (n - 1) / max(elapsed - (first or 0), 1e-9) if n > 1 else 0.0}

@@ -1,0 +1,159 @@
+"""A split on this machine: one ``serve`` process per stage on loopback, chained.
+
+``up``, ``demo``, ``bench`` and the tests start pipelines here; the chain wiring (who is
+upstream, downstream and the head of whom) is written once, in :func:`pipeline_configs`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from skippy_stage.errors import SkippyError
+
+
+def parse_layers(text: str) -> list[tuple[int, int]]:
+    ranges = []
+    for part in text.split(","):
+        a, sep, b = part.partition(":")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+            raise SkippyError(f"--layers part {part!r} must be START:END")
+        ranges.append((int(a), int(b)))
+    for (_, end), (start, _) in zip(ranges, ranges[1:]):
+        if end != start:
+            raise SkippyError(f"--layers ranges must be contiguous: {end} is followed by {start}")
+    return ranges
+
+
+def even_split(block_count: int, stages: int) -> list[tuple[int, int]]:
+    if not 1 <= stages <= block_count:
+        raise SkippyError(f"--stages {stages} must be between 1 and the model's {block_count} layers")
+    cuts = [round(i * block_count / stages) for i in range(stages + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, ports: list[int],
+                     extra: dict[str, object], return_path: str = "direct") -> list[dict[str, object]]:
+    """One StageConfig dict per range, chained upstream to downstream on the given ports.
+
+    ``return_path="direct"``: the final stage also sends sampled tokens straight to the head.
+    """
+    configs = []
+    for i, (start, end) in enumerate(ranges):
+        endpoint = lambda j: f"{host}:{ports[j]}"  # noqa: E731
+        cfg: dict[str, object] = {
+            "run_id": extra.get("run_id", "local"), "model_path": model, "stage_id": f"stage-{i}", "stage_index": i,
+            "layer_start": start, "layer_end": end, "bind_addr": endpoint(i),
+        }
+        cfg.update({k: v for k, v in extra.items() if k != "run_id"})
+        if i > 0:
+            cfg["upstream"] = {"stage_id": f"stage-{i - 1}", "stage_index": i - 1, "endpoint": endpoint(i - 1)}
+        if i + 1 < len(ranges):
+            cfg["downstream"] = {"stage_id": f"stage-{i + 1}", "stage_index": i + 1, "endpoint": endpoint(i + 1)}
+        elif i > 0 and return_path == "direct":
+            cfg["return_to"] = {"stage_id": "stage-0", "stage_index": 0, "endpoint": endpoint(0)}
+        configs.append(cfg)
+    return configs
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent dies (Linux), so a crashed or killed
+    ``up``/``bench`` never leaves stages running, holding ports and its output pipes open.
+    (Linux sends it when the *thread* that started the child ends: start stages from a
+    thread that outlives them, as the CLI and the tests do.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class LocalPipeline:
+    """``serve`` processes for a split on loopback; stopped together."""
+
+    def __init__(self, configs: list[dict[str, object]], workdir: Path, *, log_dir: Path | None = None,
+                 log_level: str | None = None) -> None:
+        """``log_dir``: write each stage's stderr to ``<stage_id>.log`` there instead of ours."""
+        self.configs = configs
+        self.procs: list[subprocess.Popen] = []
+        self.log_files = []
+        for cfg in configs:
+            path = workdir / f"{cfg['stage_id']}.json"
+            path.write_text(json.dumps(cfg, indent=1))
+            stderr = None
+            if log_dir is not None:
+                stderr = (log_dir / f"{cfg['stage_id']}.log").open("w")
+                self.log_files.append(stderr)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "skippy_stage", *(["--log-level", log_level] if log_level else []),
+                 "serve", "--config", str(path)],
+                stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=_die_with_parent,
+            ))
+
+    def restart(self, index: int) -> None:
+        """Start stage ``index`` again with its config (after it died or was killed)."""
+        old = self.procs[index]
+        if old.poll() is None:
+            raise SkippyError(f"stage {self.configs[index]['stage_id']} is still running")
+        self.procs[index] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                             stderr=self.log_files[index] if self.log_files else None)
+
+    @property
+    def head_endpoint(self) -> str:
+        return str(self.configs[0]["bind_addr"])
+
+    def wait_serving(self, timeout_s: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from skippy_stage.config import StageConfig
+        from skippy_stage.security import Credentials
+
+        deadline = time.monotonic() + timeout_s
+        credentials = Credentials.from_config(StageConfig.from_dict(self.configs[0]))
+        with credentials.channel(self.head_endpoint, []) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                for cfg, proc in zip(self.configs, self.procs):
+                    if proc.poll() is not None:
+                        raise SkippyError(f"stage {cfg['stage_id']} exited with code {proc.returncode} during start-up")
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise SkippyError(f"the pipeline was not SERVING within {timeout_s:.0f}s")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for f in self.log_files:
+            f.close()

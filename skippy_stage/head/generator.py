@@ -1,0 +1,185 @@
+"""The head's generation front: tokenise, hand the session to the scheduler, stream text.
+
+Only stage 0 has the tokenizer and the chat template. The scheduler (``scheduler``)
+advances every active session in shared batches down the chain; this module turns each
+session's sampled tokens into text. Text leaves as valid UTF-8 pieces, held back while it could still be the
+start of a stop string, so what a client reads equals what llama-cpp-python's
+``create_completion`` returns for the same prompt and settings.
+"""
+
+from __future__ import annotations
+
+import codecs
+import queue
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import structlog
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from skippy_stage.errors import InvalidRequestError
+from skippy_stage.head.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
+from skippy_stage.stage.codec import GenerateSpec
+from skippy_stage.stage.stage import Stage
+
+log = structlog.get_logger("skippy_stage.head")
+
+# How often a waiting handler checks whether its client is still there.
+_POLL_S = 0.1
+
+
+@dataclass
+class Piece:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    session_id: str
+
+
+class _StopScanner:
+    """Releases generated text, holding back what might still become a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.text = ""
+        self.released = 0
+        self.stopped = False
+
+    def feed(self, new_text: str) -> str:
+        self.text += new_text
+        hits = [self.text.find(s) for s in self.stops]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped = True
+        else:
+            end = len(self.text) - self._held_suffix()
+        out = self.text[self.released : max(end, self.released)]
+        self.released = max(end, self.released)
+        return out
+
+    def _held_suffix(self) -> int:
+        longest = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    longest = max(longest, k)
+                    break
+        return longest
+
+    def flush(self) -> str:
+        out = self.text[self.released :]
+        self.released = len(self.text)
+        return out
+
+
+class Generator:
+    """Runs generations through the chain below the head."""
+
+    def __init__(self, stage: Stage) -> None:
+        runtime = stage.require_runtime()
+        if not stage.config.include_embeddings:
+            raise InvalidRequestError(f"Generate is served by the head stage only; {stage.config.stage_id} is not stage 0")
+        self.stage = stage
+        self.runtime = runtime
+        self.max_context = runtime.cells_per_lane
+        cfg = stage.config
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                lane_count=cfg.lane_count, kv_pool_tokens=runtime.n_ctx, max_context=runtime.cells_per_lane,
+                n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, max_inflight=cfg.max_inflight,
+                max_queue=cfg.admission_queue, max_queue_wait_s=cfg.admission_wait_s,
+                step_timeout_s=stage.timeouts.step_s, recovery_wait_s=cfg.recovery_wait_s,
+            ),
+            chain_ready=lambda: stage.ready,
+            # The previous step's tokens go to their handlers once this step's frame has left.
+            step=lambda request, timeout: stage.process(request, timeout, on_sent=self.scheduler.flush_events),
+            drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.drop_s),
+            is_eog=runtime.is_eog,
+            stage_id=cfg.stage_id,
+        )
+        template = runtime.metadata("tokenizer.chat_template")
+        self._chat = (
+            Jinja2ChatFormatter(
+                template=template,
+                eos_token=runtime.token_text(runtime.eos_token),
+                bos_token=runtime.token_text(runtime.bos_token),
+            )
+            if template
+            else None
+        )
+
+    def prompt_tokens(self, spec: GenerateSpec) -> list[int]:
+        if spec.prompt is not None:
+            return self.runtime.tokenize(spec.prompt, add_special=True, parse_special=True)
+        if self._chat is None:
+            raise InvalidRequestError("messages were given but the model has no chat template (tokenizer.chat_template)")
+        rendered = self._chat(messages=[{"role": r, "content": c} for r, c in spec.messages])
+        return self.runtime.tokenize(rendered.prompt, add_special=not rendered.added_special, parse_special=True)
+
+    def generate(self, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
+                 is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:
+        """Submit the generation to the scheduler and turn its tokens into text pieces."""
+        prompt = self.prompt_tokens(spec)
+        if not prompt:
+            raise InvalidRequestError("prompt tokenises to no tokens")
+        if len(prompt) >= self.max_context:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} "
+                f"({self.runtime.session_limit_hint})"
+            )
+        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=spec.sampling,
+                    max_tokens=spec.max_tokens)
+        slog = log.bind(stage_id=self.stage.config.stage_id, session_id=task.session_id)
+        self.scheduler.submit(task)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        scanner = _StopScanner(spec.stop)
+        completion = 0
+        pending_ids: list[int] = []
+        reason = FINISH_LENGTH
+        try:
+            while True:
+                try:
+                    event = task.events.get(timeout=_POLL_S)
+                except queue.Empty:
+                    remaining = remaining_s()
+                    if not is_active() or (remaining is not None and remaining <= 0):
+                        slog.info("generation abandoned by the client", completion_tokens=completion)
+                        return
+                    continue
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, End):
+                    reason = event.reason
+                    break
+                completion += 1
+                pending_ids.append(event)
+                text = scanner.feed(decoder.decode(self.runtime.token_bytes(event)))
+                if scanner.stopped:
+                    reason = FINISH_STOP
+                    if text:
+                        yield Piece(text, pending_ids)
+                    pending_ids = []
+                    break
+                if text:
+                    yield Piece(text, pending_ids)
+                    pending_ids = []
+            if not scanner.stopped:
+                tail = scanner.feed(decoder.decode(b"", final=True))
+                if not scanner.stopped:
+                    tail += scanner.flush()  # no stop string can complete any more
+                if tail or pending_ids:
+                    yield Piece(tail, pending_ids)
+            yield Finish(reason, len(prompt), completion, task.session_id)
+        finally:
+            task.cancel()  # the scheduler frees the session on every stage
+
+    def close(self) -> None:
+        self.scheduler.close()

@@ -1,0 +1,399 @@
+"""The head's iteration-level scheduler: every active session advances in one shared batch.
+
+Each step, a worker gathers the next token of every session it runs (decode) and a
+budgeted, n_ubatch-sized chunk of prompts still being read (prefill) into ONE
+IterationBatch that travels down the whole chain. ``max_inflight`` workers each own a
+disjoint group of sessions, so while one group's batch is on stage k the next group's
+batch can run on the stage above: the stages stay busy with several users.
+
+Admission is against the lanes and the KV pool; a bounded queue holds sessions that wait
+for room. A full queue, or a wait longer than ``admission_wait_s``, is refused with
+CapacityError carrying a retry hint — never a crash, never an unbounded wait.
+
+The step and drop actions are injected (``Stage.process`` / ``Stage.drop_session`` at run
+time), so the bookkeeping here is tested without a model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from skippy_stage.errors import CapacityError, DownstreamError, RuntimeFailure, SkippyError, UnknownSessionError
+from skippy_stage.model.sampling import SamplingParams
+from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Outputs, Step, StepEntry
+
+log = structlog.get_logger("skippy_stage.scheduler")
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class End:
+    """The last event of a task: why it finished."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: SkippyError
+
+
+@dataclass
+class Task:
+    """One generation as the scheduler sees it; events flow to the waiting handler."""
+
+    session_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    prefilled: int = 0
+    generated: int = 0
+    last_token: int | None = None
+    # Every token the chain has been fed for this session: the prompt, then each sampled
+    # token once the next step carries it. A recovery re-prefills it as ``replay``.
+    history: list[int] = field(default_factory=list)
+    replay: list[int] | None = None
+    # Set while the session waits for the chain to come back; the error to give up with.
+    recovering: SkippyError | None = None
+    failing_since: float | None = None
+    # Session ids this task used before a recovery; some stage below may still hold them.
+    stale_sessions: list[str] = field(default_factory=list)
+    recoveries: int = 0
+    enqueued_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop this task and free its session (idempotent)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def reserve(self, max_context: int) -> int:
+        return min(len(self.prompt) + self.max_tokens, max_context)
+
+    @property
+    def to_feed(self) -> list[int]:
+        """Tokens to prefill: the prompt, or after a recovery everything fed before."""
+        return self.prompt if self.replay is None else self.replay
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    lane_count: int
+    kv_pool_tokens: int
+    max_context: int  # KV cells one session may hold
+    n_batch: int
+    n_ubatch: int
+    max_inflight: int = 1
+    max_queue: int = 64
+    max_queue_wait_s: float = 30.0
+    step_timeout_s: float = 60.0
+    # How long a session whose chain failed waits for it to come back before failing;
+    # 0 disables recovery.
+    recovery_wait_s: float = 15.0
+
+
+StepFn = Callable[[Step, float], Outputs]
+DropFn = Callable[[str], None]
+IsEog = Callable[[int], bool]
+
+
+class Scheduler:
+    """Runs tasks in shared batches on ``max_inflight`` worker threads."""
+
+    def __init__(self, limits: SchedulerLimits, *, step: StepFn, drop: DropFn, is_eog: IsEog,
+                 chain_ready: Callable[[], bool] = lambda: True, stage_id: str = "head") -> None:
+        self.limits = limits
+        self._chain_ready = chain_ready
+        self._step = step
+        self._drop = drop
+        self._is_eog = is_eog
+        self.log = log.bind(stage_id=stage_id)
+        self._cond = threading.Condition()
+        self._waiting: deque[Task] = deque()
+        self._groups: list[list[Task]] = [[] for _ in range(limits.max_inflight)]
+        self._reserved = 0
+        self._closed = False
+        self._batch_ids = itertools.count()
+        self._local = threading.local()
+        self.steps = 0
+        self._workers = [
+            threading.Thread(target=self._run, args=(i,), name=f"scheduler-{i}", daemon=True)
+            for i in range(limits.max_inflight)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # -- the client side -------------------------------------------------------------
+
+    def submit(self, task: Task) -> None:
+        with self._cond:
+            if self._closed:
+                raise CapacityError("the head is shutting down; retry on another replica")
+            # A free lane admits at once; only sessions that must wait count against the queue.
+            free_lanes = max(0, self.limits.lane_count - sum(len(g) for g in self._groups))
+            if len(self._waiting) >= self.limits.max_queue + free_lanes:
+                raise self._capacity(f"admission queue is full ({self.limits.max_queue} sessions waiting for a lane)")
+            self._waiting.append(task)
+            self._cond.notify_all()
+
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    def active(self) -> int:
+        with self._cond:
+            return sum(len(g) for g in self._groups)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cond.notify_all()
+        for task in waiting:
+            task.events.put(Failed(CapacityError("the head is shutting down; retry on another replica")))
+        for worker in self._workers:
+            worker.join(timeout=self.limits.step_timeout_s)
+
+    def _capacity(self, why: str) -> CapacityError:
+        """A refusal with a retry hint: a quarter of the admission wait, within 0.1..5 s."""
+        retry_s = max(0.1, min(self.limits.max_queue_wait_s / 4, 5.0))
+        return CapacityError(f"{why}; retry after {int(retry_s * 1000)} ms", retry_after_s=retry_s)
+
+    # -- the worker side -------------------------------------------------------------
+
+    def _admit_locked(self, group: list[Task]) -> None:
+        now = time.monotonic()
+        active = sum(len(g) for g in self._groups)
+        while self._waiting:
+            task = self._waiting[0]
+            if task.cancelled:
+                self._waiting.popleft()
+                continue
+            if now - task.enqueued_at > self.limits.max_queue_wait_s:
+                self._waiting.popleft()
+                task.events.put(Failed(self._capacity(
+                    f"waited {now - task.enqueued_at:.1f}s for a lane (admission_wait_s={self.limits.max_queue_wait_s})")))
+                continue
+            reserve = task.reserve(self.limits.max_context)
+            if active >= self.limits.lane_count or self._reserved + reserve > self.limits.kv_pool_tokens:
+                return
+            self._waiting.popleft()
+            task.admitted_at = now
+            self._reserved += reserve
+            group.append(task)
+            active += 1
+
+    def _release_locked(self, group: list[Task], task: Task) -> None:
+        group.remove(task)
+        self._reserved -= task.reserve(self.limits.max_context)
+        self._cond.notify_all()
+
+    def _run(self, index: int) -> None:
+        group = self._groups[index]
+        while True:
+            with self._cond:
+                finished = [t for t in group if t.cancelled]
+            # Free finished sessions on every stage *before* their lanes count as free here:
+            # otherwise another worker admits a session into a lane a stage still holds.
+            for task in finished:
+                self._free(task)
+            with self._cond:
+                for task in finished:
+                    self._release_locked(group, task)
+                closing = self._closed and not group
+                if not closing:
+                    self._admit_locked(group)
+                batch = list(group)
+                if not batch and not finished and not closing:
+                    self._cond.wait(0.05)
+            if closing:
+                return
+            if not batch:
+                self.flush_events()
+            if batch:
+                try:
+                    self._run_step(batch)
+                except Exception as exc:  # noqa: BLE001 - a dead worker would strand its sessions
+                    self.flush_events()
+                    self.log.exception("scheduler step crashed", sessions=[t.session_id for t in batch])
+                    failure = RuntimeFailure(f"the head's scheduler failed a step: {exc!r}")
+                    for task in batch:
+                        task.events.put(Failed(failure))
+                        task.cancel()
+
+    def _free(self, task: Task) -> None:
+        try:
+            self._drop(task.session_id)
+        except SkippyError as exc:
+            self.log.info("session release incomplete", session_id=task.session_id, error=str(exc))
+
+    def _entries(self, batch: list[Task]) -> tuple[list[StepEntry], list[tuple[Task, int]]]:
+        """Decode entries first (latency), then prompt chunks within the token budget."""
+        budget = self.limits.n_batch
+        entries: list[StepEntry] = []
+        plan: list[tuple[Task, int]] = []
+        for task in batch:
+            if task.recovering is not None:
+                continue
+            if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0:
+                position = len(task.prompt) + task.generated - 1
+                entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE, positions=[position],
+                                         token_ids=[task.last_token], sample_last=True, sampling=task.sampling))
+                plan.append((task, 0))
+                budget -= 1
+        for task in batch:
+            feed = task.to_feed
+            remaining = len(feed) - task.prefilled
+            if task.recovering is not None or remaining <= 0 or budget <= 0:
+                continue
+            n = min(remaining, self.limits.n_ubatch, budget)
+            start = task.prefilled
+            if task.replay is not None:
+                # Re-feed tokens as they were first computed: llama.cpp's kernels differ between
+                # one-token and larger batches (up to 0.6 in a logit on an AVX2 EPYC), so KV
+                # rebuilt in one big batch could steer a greedy text elsewhere. The prompt goes in
+                # chunks as before, each generated token in a step of its own.
+                n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
+            # After a recovery the next input token is already known: do not sample again.
+            last = start + n == len(feed) and task.last_token is None
+            entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
+                                     positions=range(start, start + n), token_ids=feed[start : start + n],
+                                     sample_last=last, sampling=task.sampling))
+            plan.append((task, n))
+            budget -= n
+        return entries, plan
+
+    def _recover(self, batch: list[Task]) -> None:
+        """Re-prefill sessions whose chain failed, once it answers again (or give up)."""
+        now = time.monotonic()
+        waiting = [t for t in batch if t.recovering is not None and not t.cancelled]
+        if not waiting:
+            return
+        ready = self._chain_ready()
+        for task in waiting:
+            if ready:
+                old = task.session_id
+                task.stale_sessions.append(old)
+                task.session_id = uuid.uuid4().hex
+                task.replay = list(task.history) if task.history else list(task.prompt)
+                task.prefilled = 0
+                task.recovering = None
+                task.recoveries += 1
+                self.log.info("session recovering: re-prefilling through the chain", session_id=task.session_id,
+                              previous_session_id=old, tokens=len(task.history))
+                for stale in list(task.stale_sessions):
+                    try:
+                        self._drop(stale)  # a stage that outlived the failure may still hold it
+                        task.stale_sessions.remove(stale)
+                    except UnknownSessionError:
+                        task.stale_sessions.remove(stale)
+                    except SkippyError:
+                        pass  # part of the chain is still away; the idle TTL is the backstop
+            elif now > (task.failing_since or now) + self.limits.recovery_wait_s:
+                task.events.put(Failed(task.recovering))
+                task.cancel()
+        if not ready:
+            time.sleep(0.05)
+
+    def _emit(self, task: Task, token: int) -> None:
+        """Hand a sampled token to its waiting handler — once the next step's frame has left.
+
+        The handler's work (text, the client's stream) would otherwise wake up exactly when this
+        thread's next step needs the CPU and the GIL (the critical path: outputs in, next frame
+        out), on a host where the stages already share the cores. ``flush_events`` delivers
+        them: the step function calls it once the frame is sent, and the worker after every step.
+        """
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = []
+        pending.append((task, token))
+
+    def flush_events(self) -> None:
+        """Deliver the tokens this worker thread held back (see ``_emit``)."""
+        pending = getattr(self._local, "pending", None)
+        if pending:
+            for task, token in pending:
+                task.events.put(token)
+            pending.clear()
+
+    def _run_step(self, batch: list[Task]) -> None:
+        self._recover(batch)
+        entries, plan = self._entries(batch)
+        if not entries:
+            self.flush_events()
+            return
+        request = Step(request_id=f"step-{next(self._batch_ids)}", entries=entries)
+        try:
+            response = self._step(request, self.limits.step_timeout_s)
+        except SkippyError as exc:
+            self.flush_events()
+            # UNAVAILABLE: a stage below is gone. NOT_FOUND from below: a stage lost sessions the
+            # head still holds (it restarted between steps, or freed them after the chain broke
+            # behind a direct return). Either way re-prefilling through the chain recovers them.
+            recoverable = isinstance(exc, DownstreamError) and exc.code_name in ("UNAVAILABLE", "NOT_FOUND") \
+                and self.limits.recovery_wait_s > 0
+            self.log.warning("step failed", request_id=request.request_id, error=str(exc), recovering=recoverable,
+                             sessions=[t.session_id for t, _ in plan])
+            for task, _ in plan:
+                if recoverable:
+                    task.recovering = exc
+                    if task.failing_since is None:
+                        task.failing_since = time.monotonic()
+                    if time.monotonic() > task.failing_since + self.limits.recovery_wait_s:
+                        task.events.put(Failed(exc))
+                        task.cancel()
+                else:
+                    task.events.put(Failed(exc))
+                    task.cancel()
+            return
+        self.flush_events()  # the previous step's tokens, if the step function did not already
+        self.steps += 1
+        if len(response.outputs) != len(plan):
+            exc = RuntimeFailure(f"stage {response.final_stage_id} answered {len(response.outputs)} outputs "
+                                 f"for {len(plan)} entries")
+            for task, _ in plan:
+                task.events.put(Failed(exc))
+                task.cancel()
+            return
+        for (task, n_prefill), out in zip(plan, response.outputs):
+            task.prefilled += n_prefill
+            if out.token is None:
+                continue
+            task.failing_since = None
+            if task.first_token_at is None:
+                task.first_token_at = time.monotonic()
+            token = out.token
+            if self._is_eog(token):
+                self.flush_events()
+                task.events.put(End(FINISH_STOP))
+                task.cancel()
+                continue
+            if task.last_token is not None and n_prefill == 0:
+                task.history.append(task.last_token)  # it was fed in this step
+            elif not task.history:
+                task.history = list(task.prompt)
+            task.generated += 1
+            task.last_token = token
+            self._emit(task, token)
+            position = len(task.prompt) + task.generated - 1
+            if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
+                self.flush_events()
+                task.events.put(End(FINISH_LENGTH))
+                task.cancel()

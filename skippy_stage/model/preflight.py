@@ -1,0 +1,95 @@
+"""``skippy-stage check`` and ``skippy-stage info``: what a stage would do here, without serving.
+
+``check`` runs every check ``serve`` makes before it loads weights (the config itself, the
+GGUF's header against the layer range, the loader policy against this host) and prints the
+effective config with every default filled in, the context size included. ``info`` prints
+what a bug report needs: versions, llama.cpp's view of the CPU, devices and the loader
+policy that applies on this host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from skippy_stage.config import StageConfig, load_config
+from skippy_stage.model import host as host_facts
+from skippy_stage.model import loader
+from skippy_stage.model.capture import native_library_path
+
+# CPU flags worth a line in a bug report: they decide which kernels llama.cpp runs.
+NOTABLE_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                 "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "sve", "neon", "asimd")
+
+
+def effective_config(path: str | Path) -> tuple[StageConfig, str]:
+    """The config at ``path`` with ctx_size resolved, and why it has that size.
+
+    Raises ConfigError / UnsupportedModelError naming the field and value, as ``serve`` would.
+    """
+    from skippy_stage.model.runtime import check_against_model, resolve_context_size
+
+    cfg = load_config(path)
+    info = check_against_model(cfg)
+    loader.model_params(cfg)  # the host policy: repack on AMX, selected_device
+    sliced = cfg.load_mode == "artifact-slice"
+    layers = range(info.block_count) if sliced else range(cfg.layer_start, cfg.layer_end)
+    size = resolve_context_size(cfg, info, layers)
+    return cfg.replace(ctx_size=size.n_ctx), size.reason
+
+
+def loader_policy(info: host_facts.HostInfo) -> dict[str, Any]:
+    defaults = StageConfig.__dataclass_fields__
+    return {
+        "repack": {
+            "default": defaults["repack"].default,
+            "true_allowed": not info.amx,
+            "why": (f"refused: this CPU has AMX_INT8 and the AMX repack crashes ({host_facts.AMX_REPACK_CRASH})"
+                    if info.amx else "allowed (no AMX on this host); off unless set"),
+        },
+        "mmap": "unset: llama.cpp maps the file where every device supports it (LLAMA_LOAD_MODE_AUTO)",
+        "supports_mmap": bool(llama_cpp.llama_supports_mmap()),
+        "supports_mlock": bool(llama_cpp.llama_supports_mlock()),
+        "supports_gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+        "flash_attn_type": f"{defaults['flash_attn_type'].default} (as llama-cpp-python's Llama(), for exact equivalence)",
+        "kv_unified": defaults["kv_unified"].default,
+        "ctx_size": "unset: the model's training context, capped to "
+                    f"{loader.AUTO_CTX_MEMORY_SHARE:.0%} of available memory for the KV cache",
+    }
+
+
+def info_report() -> dict[str, Any]:
+    info = host_facts.host_info()
+    report = info.to_dict()
+    report["cpu_flags"] = [f for f in NOTABLE_FLAGS if f in info.cpu_flags]
+    report["loader_policy"] = loader_policy(info)
+    library = native_library_path()
+    report["hidden_state_capture"] = (f"native ({library.name})" if library is not None
+                                      else "python: the compiled capture is missing (reinstall with a C compiler)")
+    return report
+
+
+def format_info(report: dict[str, Any]) -> str:
+    mib = 1 << 20
+    lines = [
+        f"skippy-stage      {report['skippy_stage_version']}",
+        f"llama-cpp-python  {report['llama_cpp_python_version']}",
+        f"ggml libraries    {', '.join(report['ggml_libraries'])}",
+        f"CPU               {report['cpu_model']}",
+        f"CPU flags         {' '.join(report['cpu_flags']) or '(none of note)'}",
+        f"llama.cpp system  {report['system_info']}",
+        f"AMX_INT8          {'yes (its repacked kernels are not used: repack stays off)' if report['amx'] else 'no'}",
+        f"capture           {report['hidden_state_capture']}",
+        f"memory            {report['memory_available'] // mib} MiB available of {report['memory_total'] // mib} MiB",
+        "devices",
+    ]
+    for d in report["devices"]:
+        lines.append(f"  {d['name']:<10} {d['type']:<6} {d['description']} ({d['memory_free'] // mib} MiB free)")
+    lines.append("loader policy")
+    for key, value in report["loader_policy"].items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        lines.append(f"  {key:<20} {value}")
+    return "\n".join(lines)

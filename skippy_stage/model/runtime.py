@@ -1,0 +1,527 @@
+"""The llama.cpp runtime of one stage: load a layer range, run batches of session entries.
+
+This module is the only owner of the llama.cpp model and context. Everything a client
+sends is validated here, before any of it reaches llama.cpp, because llama.cpp answers
+some bad input (more tokens than ``n_batch``, for one) by aborting the whole process.
+
+How a layer range runs on stock llama.cpp (see DESIGN.md):
+
+* the stage loads a sliced GGUF whose blocks are exactly its range (``slicing``);
+* hidden states come in through a batch whose ``embd`` holds float rows, not token ids;
+* hidden states go out through the scheduler's eval callback: we ask only for the node
+  ``l_out-{n_layers-1}``, copy it, and answer "stop", so an inner stage never computes
+  the output head. Rows arrive in compute order; ``ubatch.compute_order`` maps them back.
+
+Locks: ``_compute`` serialises every llama.cpp call on the context; the lane table has its
+own lock for bookkeeping (taken inside ``_compute`` when both are needed, never the other
+way round). Neither is ever held across a network call: the runtime makes none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import structlog
+
+from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
+from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure
+from skippy_stage.model import host, llama_ffi, loader
+from skippy_stage.model.capture import Capture, make_capture
+from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
+from skippy_stage.model.sampling import SamplerChain, SamplingParams
+from skippy_stage.model.slicing import ModelInfo, check_architecture, read_model_info, slice_metadata, stage_file
+from skippy_stage.model.ubatch import compute_order
+
+log = structlog.get_logger("skippy_stage.runtime")
+
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One session's share of a batch.
+
+    ``token_ids`` are required at stage 0; other stages take ``hidden`` rows (float32,
+    ``(n, n_embd)``) and may carry the token ids too, so the final stage's sampler sees
+    the history that repetition penalties need.
+    """
+
+    session_id: str
+    positions: Sequence[int] | np.ndarray
+    token_ids: Sequence[int] | np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    want_logits: bool = False
+    sample: bool = False
+    sampling: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class EntryResult:
+    session_id: str
+    hidden: np.ndarray | None = None  # inner stages: one row per input token
+    logits: np.ndarray | None = None  # final stage: the last token's logits, when asked
+    token: int | None = None  # final stage: the sampled next token, when asked
+
+
+@dataclass(frozen=True)
+class _Checked:
+    entry: BatchEntry
+    positions: np.ndarray
+    tokens: np.ndarray | None
+
+    @property
+    def n(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass
+class _SessionSampler:
+    chain: SamplerChain
+    accepted: int  # number of history tokens already fed to the chain
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    stage_file: Path
+    slice_built: bool
+    slice_seconds: float
+    load_seconds: float
+
+
+def check_against_model(cfg: StageConfig) -> ModelInfo:
+    """What the GGUF decides about the config, from its header alone (no weights loaded)."""
+    if cfg.load_mode == "artifact-slice":
+        path = Path(cfg.model_path)
+        meta = slice_metadata(path) if path.is_file() else None
+        if meta is None:
+            raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r} is not a skippy stage file")
+        want = {"layer_start": cfg.layer_start, "layer_end": cfg.layer_end, "final": cfg.include_output}
+        got = {k: meta[k] for k in want}
+        if got != want:
+            raise ConfigError(f"stage {cfg.stage_id}: stage file {path} holds {got}, config needs {want}")
+        info = read_model_info(path)
+        check_architecture(info.architecture)
+        return info
+    try:
+        info = read_model_info(cfg.model_path)
+    except ConfigError as exc:
+        raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r}: {exc}") from None
+    check_architecture(info.architecture)
+    cfg.check_block_count(info.block_count)
+    if cfg.include_output is False and cfg.layer_end == info.block_count:
+        raise ConfigError(
+            f"stage {cfg.stage_id}: layer_end={cfg.layer_end} is the model's last layer, "
+            f"so the stage is final and must have no downstream"
+        )
+    if cfg.include_output and cfg.layer_end != info.block_count:
+        raise ConfigError(
+            f"stage {cfg.stage_id}: no downstream is configured, but layer_end={cfg.layer_end} "
+            f"stops before the model's last layer {info.block_count}"
+        )
+    return info
+
+
+def resolve_context_size(cfg: StageConfig, info: ModelInfo, layers: range) -> loader.ContextSize:
+    """The KV cells this stage's context gets: ctx_size, or sized from the model and host.
+
+    ``info`` describes the file being loaded and ``layers`` this stage's blocks in it.
+    """
+    if cfg.ctx_size is not None:
+        return loader.ContextSize(cfg.ctx_size, f"ctx_size={cfg.ctx_size} in the config")
+    per_token = loader.kv_bytes_per_token(info, layers, cfg.cache_type_k, cfg.cache_type_v)
+    n_ctx_train = int(info.metadata.get(f"{info.architecture}.context_length") or 0)
+    try:
+        return loader.auto_context_size(n_ctx_train, per_token, host.memory_available())
+    except ConfigError as exc:
+        raise ConfigError(f"stage {cfg.stage_id}: ctx_size unset: {exc}") from None
+
+
+class StageRuntime:
+    """One loaded layer range with its context, lanes and samplers."""
+
+    def __init__(self, config: StageConfig, *, progress: bool | None = None) -> None:
+        llama_ffi.init_backend()
+        self.config = config
+        self.log = log.bind(stage_id=config.stage_id, run_id=config.run_id)
+        path, built, slice_seconds = self._resolve_stage_file(progress)
+        self.load_path = path
+        started = time.perf_counter()
+        self._model = self._load_model(path)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
+        if self.n_layers != config.n_layers:
+            raise ConfigError(
+                f"stage {config.stage_id}: stage file {path} has {self.n_layers} layers, "
+                f"config range {config.layer_start}:{config.layer_end} needs {config.n_layers}"
+            )
+        # Kept on self: llama.cpp calls its callback for as long as the context lives.
+        self._capture = None if config.include_output else make_capture(
+            f"l_out-{self.n_layers - 1}", self.n_embd, config.n_batch)
+        self.context_size = self._context_size()
+        if self.context_size.capped:
+            self.log.warning("context capped by host memory", reason=self.context_size.reason)
+        self._ctx = self._new_context(self._capture)
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self.cells_per_lane = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+        self._equal_split = not config.kv_unified
+        self._alloc_batch()
+        self._compute = threading.Lock()
+        self.lanes = LaneTable(
+            lane_count=config.lane_count,
+            cells_per_lane=self.cells_per_lane,
+            kv_pool_tokens=self.n_ctx,
+            cache_idle_slots=config.cache_idle_slots,
+            reset=self._reset_lane,
+            owner=f"stage {config.stage_id}",
+            lane_limit_hint=self.session_limit_hint,
+        )
+        self._samplers: dict[str, _SessionSampler] = {}
+        self._history: dict[str, list[int]] = {}
+        self.load_report = LoadReport(path, built, slice_seconds, time.perf_counter() - started)
+        self.log.info(
+            "stage loaded",
+            stage_file=str(path),
+            layers=f"{config.layer_start}:{config.layer_end}",
+            slice_built=built,
+            slice_s=round(slice_seconds, 3),
+            load_s=round(self.load_report.load_seconds, 3),
+            n_ctx=self.n_ctx,
+            n_ctx_from=self.context_size.reason,
+            cells_per_lane=self.cells_per_lane,
+            kv_unified=config.kv_unified,
+        )
+
+    @property
+    def session_limit_hint(self) -> str:
+        """Which setting bounds one session's tokens here, and how to raise it."""
+        if self.config.kv_unified:
+            return f"ctx_size={self.n_ctx} on stage {self.config.stage_id}; raise ctx_size"
+        return (f"ctx_size / lane_count = {self.n_ctx} / {self.config.lane_count} on stage {self.config.stage_id}; "
+                f"raise ctx_size, lower lane_count or set kv_unified=true")
+
+    # -- loading ---------------------------------------------------------------------
+
+    def _resolve_stage_file(self, progress: bool | None) -> tuple[Path, bool, float]:
+        cfg = self.config
+        check_against_model(cfg)
+        if cfg.load_mode == "artifact-slice":
+            return Path(cfg.model_path), False, 0.0
+        made = stage_file(
+            cfg.model_path, cfg.layer_start, cfg.layer_end, final=cfg.include_output,
+            cache_dir=cfg.cache_dir, progress=progress,
+        )
+        return made.path, made.built, made.seconds
+
+    def _load_model(self, path: Path) -> llama_cpp.llama_model_p:
+        cfg = self.config
+        # Built (and checked against this host) before anything is loaded; kept on self
+        # because params.devices points into it while llama.cpp loads.
+        self.model_params = loader.model_params(cfg)
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), self.model_params.params)
+        if not model:
+            raise RuntimeFailure(f"stage {cfg.stage_id}: llama.cpp could not load {path}")
+        return model
+
+    def _context_size(self) -> loader.ContextSize:
+        return resolve_context_size(self.config, read_model_info(self.load_path), range(self.n_layers))
+
+    def _new_context(self, capture: Capture | None) -> llama_cpp.llama_context_p:
+        cfg = self.config
+        n_ctx = self.context_size.n_ctx
+        self.context_params = loader.context_params(
+            cfg, n_ctx, None if capture is None else capture.callback, None if capture is None else capture.user_data)
+        ctx = llama_cpp.llama_init_from_model(self._model, self.context_params)
+        if not ctx:
+            raise RuntimeFailure(
+                f"stage {cfg.stage_id}: llama.cpp refused the context (ctx_size={n_ctx}, "
+                f"lane_count={cfg.lane_count}, cache types {cfg.cache_type_k}/{cfg.cache_type_v}, "
+                f"flash_attn_type={cfg.flash_attn_type})"
+            )
+        return ctx
+
+    def _alloc_batch(self) -> None:
+        """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised."""
+        n, cfg = self.config.n_batch, self.config
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._n_seq_id = np.ones(n, dtype=np.int32)
+        self._seq = np.zeros(n, dtype=np.int32)
+        self._seq_ptrs = (self._seq.ctypes.data + 4 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
+        self._out = np.zeros(n, dtype=np.int8)
+        self._tokens = np.zeros(n, dtype=np.int32) if cfg.include_embeddings else None
+        self._embd = None if cfg.include_embeddings else np.zeros((n, self.n_embd), dtype=np.float32)
+        b = llama_cpp.llama_batch()
+        b.n_tokens = 0
+        i32p, f32p = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
+        b.token = self._tokens.ctypes.data_as(i32p) if self._tokens is not None else None
+        b.embd = self._embd.ctypes.data_as(f32p) if self._embd is not None else None
+        b.pos = self._pos.ctypes.data_as(i32p)
+        b.n_seq_id = self._n_seq_id.ctypes.data_as(i32p)
+        b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
+        b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    # -- validation (pure: no llama.cpp, no lane state) ------------------------------
+
+    def _check(self, entries: Sequence[BatchEntry]) -> list[_Checked]:
+        cfg = self.config
+        if not entries:
+            raise InvalidRequestError("entries is empty: a batch needs at least one entry")
+        seen: set[str] = set()
+        checked: list[_Checked] = []
+        total = 0
+        for i, e in enumerate(entries):
+            where = f"entries[{i}]"
+            if not isinstance(e.session_id, str) or not e.session_id or len(e.session_id) > MAX_SESSION_ID_LEN:
+                raise InvalidRequestError(f"{where}.session_id={e.session_id!r} must be 1..{MAX_SESSION_ID_LEN} characters")
+            if e.session_id in seen:
+                raise InvalidRequestError(f"{where}.session_id={e.session_id!r} appears twice in one batch")
+            seen.add(e.session_id)
+            pos = np.asarray(e.positions)
+            if pos.ndim != 1 or pos.shape[0] == 0 or not np.issubdtype(pos.dtype, np.integer):
+                raise InvalidRequestError(f"{where}.positions must be a non-empty list of integers, got {pos.shape[0] if pos.ndim == 1 else pos.shape} values")
+            total += pos.shape[0]
+            if total > cfg.n_batch:
+                raise InvalidRequestError(f"batch has more than n_batch={cfg.n_batch} tokens ({where} brings the total to {total})")
+            if pos[0] < 0 or pos[-1] >= 2**31 - 1:
+                k = 0 if pos[0] < 0 else pos.shape[0] - 1
+                raise InvalidRequestError(f"{where}.positions[{k}]={int(pos[k])} is out of range [0, 2^31-1)")
+            gaps = np.nonzero(np.diff(pos) != 1)[0]
+            if gaps.size:
+                k = int(gaps[0])
+                raise InvalidRequestError(
+                    f"{where}.positions are not contiguous: positions[{k}]={int(pos[k])} is followed by {int(pos[k + 1])}"
+                )
+            tokens = None
+            if e.token_ids is not None:
+                tokens = np.asarray(e.token_ids)
+                if tokens.ndim != 1 or tokens.shape[0] != pos.shape[0] or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+                    raise InvalidRequestError(f"{where}.token_ids has {tokens.shape} values for {pos.shape[0]} positions")
+                bad = np.nonzero((tokens < 0) | (tokens >= self.n_vocab))[0]
+                if bad.size:
+                    k = int(bad[0])
+                    raise InvalidRequestError(f"{where}.token_ids[{k}]={int(tokens[k])} is out of range [0, {self.n_vocab})")
+            if cfg.include_embeddings:
+                if tokens is None:
+                    raise InvalidRequestError(f"{where}.token_ids are required at stage {cfg.stage_id} (layer_start=0)")
+                if e.hidden is not None:
+                    raise InvalidRequestError(f"{where}.hidden is not accepted at stage {cfg.stage_id} (layer_start=0)")
+            else:
+                h = e.hidden
+                if not isinstance(h, np.ndarray) or h.ndim != 2:
+                    raise InvalidRequestError(f"{where}.hidden must be a 2-D float32 array (rows x n_embd={self.n_embd})")
+                if h.shape[1] != self.n_embd:
+                    raise InvalidRequestError(f"{where}.hidden width {h.shape[1]} != n_embd {self.n_embd}")
+                if h.shape[0] != pos.shape[0]:
+                    raise InvalidRequestError(f"{where}.hidden has {h.shape[0]} rows for {pos.shape[0]} positions")
+                if h.dtype != np.float32:
+                    raise InvalidRequestError(f"{where}.hidden dtype {h.dtype} is not float32")
+                if not np.isfinite(h).all():
+                    row = int(np.nonzero(~np.isfinite(h).all(axis=1))[0][0])
+                    raise InvalidRequestError(f"{where}.hidden row {row} holds non-finite values (NaN or inf)")
+            if (e.sample or e.want_logits) and not cfg.include_output:
+                raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
+            if e.sample:
+                (e.sampling or SamplingParams()).validate()
+            checked.append(_Checked(e, pos.astype(np.int32), tokens))
+        return checked
+
+    # -- running ---------------------------------------------------------------------
+
+    def run_batch(self, entries: Sequence[BatchEntry]) -> list[EntryResult]:
+        """Run one llama_decode over every entry; results come back in entry order.
+
+        Raises InvalidRequestError / UnknownSessionError / SessionStateError /
+        CapacityError before touching llama.cpp; the runtime stays usable after any of them.
+        """
+        checked = self._check(entries)
+        with self._compute:
+            lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n) for c in checked])
+            try:
+                results = self._decode(checked, lanes)
+            except BaseException:
+                self._rollback(checked, lanes, new)
+                raise
+            for c in checked:
+                self.lanes.advance(c.entry.session_id, c.n)
+        return results
+
+    def _decode(self, checked: list[_Checked], lanes: dict[str, int]) -> list[EntryResult]:
+        cfg = self.config
+        order = sorted(range(len(checked)), key=lambda i: lanes[checked[i].entry.session_id])
+        spans: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for i in order:
+            c = checked[i]
+            end = offset + c.n
+            self._pos[offset:end] = c.positions
+            self._seq[offset:end] = lanes[c.entry.session_id]
+            if self._tokens is not None:
+                self._tokens[offset:end] = c.tokens
+            else:
+                self._embd[offset:end] = c.entry.hidden
+            if cfg.include_output:
+                self._out[offset:end] = 0
+                self._out[end - 1] = 1 if (c.entry.sample or c.entry.want_logits) else 0
+            else:
+                self._out[offset:end] = 1
+            spans[i] = (offset, end)
+            offset = end
+        self._batch.n_tokens = offset
+        if self._capture is not None:
+            self._capture.reset()
+
+        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc == 1:
+            raise CapacityError(f"llama.cpp found no KV slot for a batch of {offset} tokens")
+        if rc != 0:
+            raise RuntimeFailure(f"llama_decode failed with code {rc} on a batch of {offset} tokens")
+        if cfg.include_output:
+            return [self._final_result(checked[i], spans[i][1] - 1) for i in range(len(checked))]
+        return self._inner_results(checked, spans, offset)
+
+    def _inner_results(self, checked: list[_Checked], spans: dict[int, tuple[int, int]], total: int) -> list[EntryResult]:
+        ubatches = compute_order(self._seq[:total].tolist(), self.config.n_ubatch, equal_split=self._equal_split)
+        predicted = [len(u) for u in ubatches]
+        capture = self._capture
+        if capture.error is not None or predicted != capture.counts:
+            raise RuntimeFailure(
+                f"hidden-state capture disagrees with the predicted micro-batches "
+                f"(predicted rows {predicted}, captured {capture.counts}, error {capture.error})"
+            )
+        in_batch_order = np.empty((total, self.n_embd), dtype=np.float32)
+        in_batch_order[np.concatenate([np.asarray(u, dtype=np.int64) for u in ubatches])] = capture.buffer[:total]
+        return [
+            EntryResult(c.entry.session_id, hidden=in_batch_order[spans[i][0] : spans[i][1]])
+            for i, c in enumerate(checked)
+        ]
+
+    def _final_result(self, c: _Checked, row: int) -> EntryResult:
+        e = c.entry
+        # history[i] is the token at position i; a sampled token was put at its position
+        # already, so the step that feeds it back replaces it instead of adding it twice.
+        history = self._history.setdefault(e.session_id, [])
+        if c.tokens is not None:
+            del history[int(c.positions[0]) :]
+            history.extend(int(t) for t in c.tokens)
+        logits = None
+        if e.want_logits:
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+            logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        token = None
+        if e.sample:
+            token = self._sampler_for(e.session_id, e.sampling or SamplingParams(), history).chain.sample(self._ctx, row)
+            state = self._samplers[e.session_id]
+            history.append(token)  # the chain accepted it while sampling
+            state.accepted = len(history)
+        return EntryResult(e.session_id, logits=logits, token=token)
+
+    def _sampler_for(self, session_id: str, params: SamplingParams, history: list[int]) -> _SessionSampler:
+        state = self._samplers.get(session_id)
+        if state is None or state.chain.params != params:
+            if state is not None:
+                state.chain.close()
+            state = _SessionSampler(SamplerChain(params, self.n_vocab), accepted=max(0, len(history) - params.repeat_last_n))
+            self._samplers[session_id] = state
+        for token in history[min(state.accepted, len(history)) :]:
+            state.chain.accept(token)
+        state.accepted = len(history)
+        return state
+
+    def _rollback(self, checked: list[_Checked], lanes: dict[str, int], new: list[str]) -> None:
+        """Remove whatever a failed decode may have written, so the session can retry."""
+        for c in checked:
+            if c.entry.session_id not in new:
+                llama_cpp.llama_memory_seq_rm(self._mem, lanes[c.entry.session_id], int(c.positions[0]), -1)
+        self.lanes.release(new)
+        for session_id in new:
+            self._forget(session_id)
+
+    # -- sessions --------------------------------------------------------------------
+
+    def _reset_lane(self, lane: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, -1, -1))
+
+    def drop_session(self, session_id: str) -> DropResult:
+        with self._compute:
+            result = self.lanes.drop(session_id)
+            self._forget(session_id)
+        self.log.info("session dropped", session_id=session_id, lane=result.lane, tokens=result.n_tokens,
+                      reset_ms=round(result.reset_seconds * 1e3, 3), discarded=result.discarded)
+        return result
+
+    def _forget(self, session_id: str) -> None:
+        state = self._samplers.pop(session_id, None)
+        if state is not None:
+            state.chain.close()
+        self._history.pop(session_id, None)
+
+    def stats(self) -> LaneStats:
+        return self.lanes.stats()
+
+    # -- tokenizer (used by the head) ------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buf = (llama_cpp.llama_token * capacity)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value of the loaded stage file, as llama.cpp reads it."""
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
+
+    @property
+    def bos_token(self) -> int:
+        return int(llama_cpp.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos_token(self) -> int:
+        return int(llama_cpp.llama_vocab_eos(self._vocab))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._compute:
+            for session_id in list(self._samplers):
+                self._forget(session_id)
+            if getattr(self, "_ctx", None):
+                llama_cpp.llama_free(self._ctx)
+                self._ctx = None
+            if getattr(self, "_model", None):
+                llama_cpp.llama_model_free(self._model)
+                self._model = None

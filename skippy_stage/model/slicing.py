@@ -1,0 +1,419 @@
+"""Model slicing: write the GGUF file that holds one stage's layer range.
+
+llama.cpp has no "run layers a..b" call, so each stage loads a file that *is* a smaller
+model: blocks ``[layer_start, layer_end)`` renumbered from 0, per-layer metadata arrays
+sliced to match, the token embeddings (llama.cpp insists on them) and the final norm
+always, and the output head only for the final stage. Tensor bytes are copied verbatim,
+whatever their quantisation, which is what keeps a split bit-exact.
+
+Layer-index-dependent behaviour must survive renumbering: Gemma-3 derives which layers
+use sliding-window attention from the layer index, so the slice carries the explicit
+per-layer pattern of the *original* indices. An architecture is accepted only when an
+equivalence test in ``tests/test_equivalence.py`` proves its splits exact.
+
+Stage files are cached (keyed by the source file's identity, the range and the role),
+written atomically and verified against a digest manifest before reuse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from pathlib import Path
+
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from skippy_stage.errors import ConfigError, SliceError, UnsupportedModelError
+
+MANIFEST_SUFFIX = ".manifest.json"
+SLICE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ArchRule:
+    """What slicing must preserve for one architecture.
+
+    ``swa_default_pattern`` is llama.cpp's built-in sliding-window period for the
+    architecture (used when the file states none); ``None`` means no sliding window.
+    """
+
+    swa_default_pattern: int | None = None
+    swa_dense_first: bool = False
+
+
+# Only architectures proven bit-exact by tests/test_equivalence.py belong here.
+ACCEPTED_ARCHITECTURES: dict[str, ArchRule] = {
+    "llama": ArchRule(),
+    "gemma3": ArchRule(swa_default_pattern=6),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The facts about a GGUF that the planner, the config check and the runtime need."""
+
+    path: Path
+    architecture: str
+    block_count: int
+    n_embd: int
+    n_vocab: int
+    name: str
+    # Header metadata: scalars, and numeric arrays (per-layer values) up to a bound.
+    metadata: dict[str, object] = dataclass_field(default_factory=dict, repr=False, compare=False)
+
+    def per_layer(self, key: str) -> tuple[int, ...] | None:
+        """``{arch}.{key}``, one value per block (a scalar is repeated); None if absent."""
+        value = self.metadata.get(f"{self.architecture}.{key}")
+        if value is None:
+            return None
+        if isinstance(value, tuple):
+            return tuple(int(v) for v in value)
+        return (int(value),) * self.block_count
+
+
+def _field_value(reader: GGUFReader, key: str) -> object | None:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+_SMALL_ARRAY = 1 << 16
+
+
+def _read_header_kv(path: Path) -> dict[str, object]:
+    """Scalar metadata of a GGUF, without parsing tensors: numeric arrays of up to
+    ``_SMALL_ARRAY`` values (per-layer hyper-parameters) as tuples, other arrays (the
+    vocabulary) reduced to their length.
+
+    GGUFReader materialises every vocabulary string as a numpy view (seconds for a small
+    model); a stage only needs a handful of scalars at start-up, so walk the header here.
+    """
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError("missing GGUF magic")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        _n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+        offset = 24
+        out: dict[str, object] = {}
+
+        def read_string(at: int) -> tuple[str, int]:
+            (length,) = struct.unpack_from("<Q", buf, at)
+            return bytes(buf[at + 8 : at + 8 + length]).decode("utf-8", errors="replace"), at + 8 + length
+
+        def skip_value(vtype: int, at: int) -> tuple[object, int]:
+            if vtype == _STRING:
+                return read_string(at)
+            if vtype == _ARRAY:
+                sub, count = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                if sub in _SCALAR_FORMATS:
+                    fmt = _SCALAR_FORMATS[sub]
+                    end = at + count * struct.calcsize(fmt)
+                    if count <= _SMALL_ARRAY:
+                        return struct.unpack_from(f"<{count}{fmt[1:]}", buf, at), end
+                    return count, end
+                for _ in range(count):
+                    _, at = skip_value(sub, at)
+                return count, at
+            fmt = _SCALAR_FORMATS[vtype]
+            return struct.unpack_from(fmt, buf, at)[0], at + struct.calcsize(fmt)
+
+        for _ in range(n_kv):
+            key, offset = read_string(offset)
+            (vtype,) = struct.unpack_from("<I", buf, offset)
+            out[key], offset = skip_value(vtype, offset + 4)
+        return out
+
+
+def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
+    """Read the header of a GGUF, refusing files that are missing or not GGUF."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"model file not found: {path}")
+    try:
+        kv = _read_header_kv(path)
+    except (ValueError, OSError, struct.error, KeyError) as exc:
+        raise ConfigError(f"model file {path} is not a readable GGUF: {exc}") from exc
+    arch = str(kv.get("general.architecture"))
+    block_count = kv.get(f"{arch}.block_count")
+    n_embd = kv.get(f"{arch}.embedding_length")
+    if block_count is None or n_embd is None:
+        raise ConfigError(f"model file {path} lacks {arch}.block_count or {arch}.embedding_length")
+    return ModelInfo(
+        path=path,
+        architecture=arch,
+        block_count=int(block_count),
+        n_embd=int(n_embd),
+        n_vocab=_length(kv.get("tokenizer.ggml.tokens", 0)),
+        name=str(kv.get("general.name") or path.stem),
+        metadata=kv,
+    )
+
+
+def _length(value: object) -> int:
+    return len(value) if isinstance(value, tuple) else int(value)
+
+
+def check_architecture(arch: str) -> ArchRule:
+    """Return the slicing rule for ``arch`` or refuse it, saying why."""
+    rule = ACCEPTED_ARCHITECTURES.get(arch)
+    if rule is None:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is refused: no equivalence test proves its layer splits match the "
+            f"unsplit model (accepted: {', '.join(sorted(ACCEPTED_ARCHITECTURES))})"
+        )
+    return rule
+
+
+def _check_range(info: ModelInfo, layer_start: int, layer_end: int) -> None:
+    if not 0 <= layer_start < layer_end <= info.block_count:
+        raise ConfigError(
+            f"layer range {layer_start}:{layer_end} is not a non-empty range inside the "
+            f"{info.block_count} blocks of {info.path.name}"
+        )
+
+
+def _swa_layers(reader: GGUFReader, arch: str, rule: ArchRule, block_count: int) -> list[bool] | None:
+    """The per-layer sliding-window flags of the original model, as llama.cpp derives them."""
+    if rule.swa_default_pattern is None:
+        return None
+    key = f"{arch}.attention.sliding_window_pattern"
+    field = reader.get_field(key)
+    if field is not None and field.types[0] == GGUFValueType.ARRAY:
+        return [bool(v) for v in field.contents()]
+    period = int(field.contents()) if field is not None else rule.swa_default_pattern
+    if rule.swa_dense_first:
+        return [period == 0 or il % period != 0 for il in range(block_count)]
+    return [period == 0 or il % period < period - 1 for il in range(block_count)]
+
+
+def layer_index(name: str) -> int | None:
+    """The block a tensor belongs to (``blk.{i}.*``), or None for a tensor of the whole model."""
+    if not name.startswith("blk."):
+        return None
+    index, _, _ = name[4:].partition(".")
+    return int(index)
+
+
+def _is_kept(name: str, layer_start: int, layer_end: int, final: bool) -> str | None:
+    """The tensor's name in the slice, or None when the slice drops it."""
+    index = layer_index(name)
+    if index is not None:
+        rest = name[4:].partition(".")[2]
+        return f"blk.{index - layer_start}.{rest}" if layer_start <= index < layer_end else None
+    if name.startswith("output.") and not final:
+        return None
+    return name
+
+
+def write_slice(
+    source: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    layer_start: int,
+    layer_end: int,
+    *,
+    final: bool,
+    progress: bool | None = None,
+) -> None:
+    """Write the stage file for ``[layer_start, layer_end)`` of ``source`` to ``dest``.
+
+    Not atomic by itself; :func:`stage_file` wraps it with temp-file, fsync and rename.
+    """
+    source = Path(source)
+    info = read_model_info(source)
+    rule = check_architecture(info.architecture)
+    _check_range(info, layer_start, layer_end)
+    reader = GGUFReader(source, "r")
+    arch = info.architecture
+    n_total = info.block_count
+    swa = _swa_layers(reader, arch, rule, n_total)
+    swa_key = f"{arch}.attention.sliding_window_pattern"
+
+    writer = GGUFWriter(dest, arch=arch, endianess=reader.endianess)
+    alignment = _field_value(reader, "general.alignment")
+    if alignment is not None:
+        writer.data_alignment = int(alignment)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF.") or field.name == swa_key:
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        if field.name == f"{arch}.block_count":
+            value = layer_end - layer_start
+        elif vtype == GGUFValueType.ARRAY and field.name.startswith(f"{arch}.") and len(value) == n_total:
+            value = value[layer_start:layer_end]
+        writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+    if swa is not None:
+        writer.add_key_value(swa_key, swa[layer_start:layer_end], GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+    writer.add_key_value("skippy.slice.version", SLICE_FORMAT_VERSION, GGUFValueType.UINT32)
+    writer.add_key_value("skippy.slice.layer_start", layer_start, GGUFValueType.UINT32)
+    writer.add_key_value("skippy.slice.layer_end", layer_end, GGUFValueType.UINT32)
+    writer.add_key_value("skippy.slice.source_block_count", n_total, GGUFValueType.UINT32)
+    writer.add_key_value("skippy.slice.final", final, GGUFValueType.BOOL)
+
+    kept = []
+    for tensor in reader.tensors:
+        new_name = _is_kept(tensor.name, layer_start, layer_end, final)
+        if new_name is not None:
+            kept.append(tensor)
+            writer.add_tensor_info(new_name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+    total = sum(int(t.n_bytes) for t in kept)
+    show = sys.stderr.isatty() if progress is None else progress
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"slice {layer_start}:{layer_end}", disable=not show) as bar:
+        for tensor in kept:
+            writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+            bar.update(int(tensor.n_bytes))
+    writer.close()
+
+
+def default_cache_dir() -> Path:
+    """``$SKIPPY_STAGE_CACHE`` if set, else ``$XDG_CACHE_HOME/skippy-stage`` (``~/.cache``)."""
+    override = os.environ.get("SKIPPY_STAGE_CACHE")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "skippy-stage"
+
+
+def _source_identity(source: Path) -> str:
+    st = source.stat()
+    return f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def cache_key(source: Path, layer_start: int, layer_end: int, final: bool) -> str:
+    ident = f"{_source_identity(source)}|{layer_start}:{layer_end}|{'final' if final else 'inner'}|v{SLICE_FORMAT_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cached_file_is_intact(path: Path, manifest_path: Path) -> bool:
+    """True only when the file matches the size and digest recorded when it was written."""
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if path.stat().st_size != manifest["size"]:
+            return False
+        return _digest(path) == manifest["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+@dataclass(frozen=True)
+class StageFile:
+    """A stage file ready to load, and whether this call had to build it."""
+
+    path: Path
+    built: bool
+    seconds: float
+
+
+def stage_file(
+    source: str | os.PathLike[str],
+    layer_start: int,
+    layer_end: int,
+    *,
+    final: bool,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = None,
+) -> StageFile:
+    """Return a verified stage file for the range, building it only when missing or damaged.
+
+    A whole-model final range needs no slicing: the source itself is the stage file.
+    """
+    started = time.perf_counter()
+    source = Path(source)
+    info = read_model_info(source)
+    check_architecture(info.architecture)
+    _check_range(info, layer_start, layer_end)
+    if layer_start == 0 and layer_end == info.block_count and final:
+        return StageFile(path=source, built=False, seconds=time.perf_counter() - started)
+
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    key = cache_key(source, layer_start, layer_end, final)
+    role = "final" if final else "inner"
+    path = directory / f"{source.stem}.{layer_start}-{layer_end}.{role}.{key}.gguf"
+    manifest_path = path.with_name(path.name + MANIFEST_SUFFIX)
+    if path.exists() and _cached_file_is_intact(path, manifest_path):
+        return StageFile(path=path, built=False, seconds=time.perf_counter() - started)
+
+    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write_slice(source, tmp, layer_start, layer_end, final=final, progress=progress)
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        manifest = {"size": tmp.stat().st_size, "sha256": _digest(tmp), "source": str(source.resolve()),
+                    "layer_start": layer_start, "layer_end": layer_end, "final": final}
+        manifest_path.unlink(missing_ok=True)
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
+        tmp_manifest = manifest_path.with_name(manifest_path.name + ".tmp")
+        tmp_manifest.write_text(json.dumps(manifest, indent=1))
+        with tmp_manifest.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_manifest, manifest_path)
+        _fsync_dir(directory)
+    except OSError as exc:
+        raise SliceError(f"cannot write stage file {path}: {exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return StageFile(path=path, built=True, seconds=time.perf_counter() - started)
+
+
+def slice_metadata(path: str | os.PathLike[str]) -> dict[str, int | bool] | None:
+    """The ``skippy.slice.*`` keys of a stage file, or None for an unsliced GGUF."""
+    kv = _read_header_kv(Path(path))
+    out: dict[str, int | bool] = {}
+    for key in ("layer_start", "layer_end", "source_block_count", "final"):
+        value = kv.get(f"skippy.slice.{key}")
+        if value is None:
+            return None
+        out[key] = bool(value) if key == "final" else int(value)
+    return out
+
+
+__all__ = [
+    "ACCEPTED_ARCHITECTURES",
+    "ModelInfo",
+    "StageFile",
+    "check_architecture",
+    "read_model_info",
+    "slice_metadata",
+    "stage_file",
+    "write_slice",
+]

@@ -1,0 +1,236 @@
+"""The gRPC surface of a stage: a thin servicer (the process around it is ``server``).
+
+Handlers convert (``stage.codec``), call the Stage (or the head's Generator) and convert
+back; they never call llama.cpp. Every SkippyError becomes a status code in
+``stage.status.status_for`` — the only place that knows the mapping — and a
+DownstreamError also names the failed stage in the trailing metadata
+``skippy-failed-stage`` so upstream stages relay it unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
+from skippy_stage.head.generator import Finish, Generator
+from skippy_stage.stage import codec
+from skippy_stage.stage.downstream import FAILED_STAGE_KEY
+from skippy_stage.stage.stage import Stage
+from skippy_stage.stage.status import status_for
+from skippy_stage.stage.steps import PHASE_DECODE, Reply, Step, StepEntry
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("skippy_stage.service")
+
+def _abort(context: grpc.ServicerContext, exc: SkippyError) -> None:
+    code, message = status_for(exc)
+    if isinstance(exc, DownstreamError):
+        context.set_trailing_metadata(((FAILED_STAGE_KEY, exc.stage_id),))
+    context.abort(code, message)
+
+
+def _unary(handler: Callable) -> Callable:
+    """Map domain errors to status codes and count every call by RPC and code."""
+    rpc = handler.__name__
+
+    @functools.wraps(handler)
+    def wrapper(self: StageServicer, request, context):  # noqa: ANN001
+        try:
+            response = handler(self, request, context)
+        except SkippyError as exc:
+            code, _ = status_for(exc)
+            self.stage.metrics.requests(rpc=rpc, code=code.name).inc()
+            log.debug("rpc refused", stage_id=self.stage.config.stage_id, rpc=rpc, code=code.name, error=str(exc))
+            _abort(context, exc)
+        self.stage.metrics.requests(rpc=rpc, code="OK").inc()
+        return response
+    return wrapper
+
+
+class StageServicer(pb_grpc.StageServiceServicer):
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self._generator: Generator | None = None
+        self._generator_lock = threading.Lock()
+        self._return_streams: set[grpc.ServicerContext] = set()
+        self._return_lock = threading.Lock()
+
+    def head(self) -> Generator:
+        """The head's generator; new generations are refused unless the stage is SERVING."""
+        self.stage.require_runtime(draining_ok=False)
+        if not self.stage.ready:
+            # New sessions fail fast; admitted ones wait for a recovery (recovery_wait_s).
+            below = self.stage.config.downstream
+            raise DownstreamError(f"the chain below {self.stage.config.stage_id} is not ready: "
+                                  f"{self.stage.downstream_health.detail}",
+                                  stage_id=below.stage_id if below else self.stage.config.stage_id)
+        with self._generator_lock:
+            if self._generator is None:
+                self._generator = Generator(self.stage)
+                self.stage.metrics.gauge_from("queue_depth", self._generator.scheduler.queue_depth)
+            return self._generator
+
+    def close(self) -> None:
+        """Let admitted generations finish; refuse the ones still queued; then end the final
+        stage's return stream, which would otherwise hold the server's drain for its grace."""
+        with self._generator_lock:
+            generator, self._generator = self._generator, None
+        if generator is not None:
+            generator.close()
+        with self._return_lock:
+            streams = list(self._return_streams)
+        for context in streams:
+            context.cancel()
+
+    def _require_head(self, rpc: str) -> None:
+        if not self.stage.config.include_embeddings:
+            raise SessionStateError(f"{rpc} is served by the head stage only; {self.stage.config.stage_id} has "
+                                    f"layer_start={self.stage.config.layer_start}")
+
+    @_unary
+    def IterationBatch(self, request, context):  # noqa: N802
+        return codec.outputs_to_pb(self.stage.process(codec.step_from_pb(request), context.time_remaining()))
+
+    @_unary
+    def ActivationFrame(self, request, context):  # noqa: N802
+        """One frame, answered with the step's outputs: they are relayed back up to this stage."""
+        if not request.HasField("frame"):
+            raise InvalidRequestError("frame is required in ActivationFrame")
+        outputs = self.stage.process(codec.step_from_pb(request), context.time_remaining(), relay=True)
+        return codec.outputs_to_pb(outputs)
+
+    def ActivationStream(self, request_iterator, context):  # noqa: N802
+        """Frames from the upstream neighbour (hop_transport "stream"), each run on the thread
+        that reads them; the response stream is this edge's back channel (errors, relayed
+        outputs), fed from whichever thread has one to send. Once the caller stops sending,
+        the stream stays open until every frame that asked for its outputs (``relay``) has
+        had its reply, or its deadline passed."""
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        done = object()
+        lock = threading.Lock()
+        awaited: collections.Counter[int] = collections.Counter()
+        last_deadline = [time.monotonic()]
+
+        def sink(reply: Reply) -> None:
+            with lock:  # queued before it stops being awaited: the stream never ends between the two
+                replies.put(codec.reply_to_pb(reply))
+                if awaited[reply.hop_id] > 0:
+                    awaited[reply.hop_id] -= 1
+
+        def read() -> None:
+            try:
+                for hop in request_iterator:
+                    if hop.relay:
+                        with lock:
+                            awaited[hop.hop_id] += 1
+                            wait = self.stage.timeouts.hop_s
+                            if 0 < hop.timeout_s < wait:  # NaN and nonsense fall back to the cap
+                                wait = hop.timeout_s
+                            last_deadline[0] = max(last_deadline[0], time.monotonic() + wait)
+                    self.stage.accept_frame(codec.frame_from_pb(hop), sink)
+            except grpc.RpcError:
+                pass  # the upstream went away
+            finally:
+                replies.put(done)
+
+        self.stage.inbound.add(sink)
+        threading.Thread(target=read, name="activation-stream", daemon=True).start()
+        reading = True
+        try:
+            while True:
+                if not reading:
+                    with lock:
+                        outstanding = sum(awaited.values())
+                    remaining = last_deadline[0] - time.monotonic()
+                    if outstanding == 0 or remaining <= 0 or not context.is_active():
+                        while True:  # what the sink put in before the count reached zero
+                            try:
+                                yield replies.get_nowait()
+                            except queue.Empty:
+                                return
+                try:
+                    reply = replies.get(timeout=None if reading else min(remaining, 0.1))
+                except queue.Empty:
+                    continue
+                if reply is done:
+                    reading = False
+                    continue
+                yield reply
+        finally:
+            self.stage.inbound.discard(sink)
+
+    def ReturnResults(self, request_iterator, context):  # noqa: N802
+        """The final stage's direct returns: each settles the head's step waiting on its key."""
+        try:
+            self._require_head("ReturnResults")
+        except SkippyError as exc:
+            _abort(context, exc)
+        accepted = 0
+        with self._return_lock:
+            self._return_streams.add(context)
+        try:
+            for batch in request_iterator:
+                accepted += self.stage.deliver_return(batch.return_key, codec.outputs_from_pb(batch.response))
+        except grpc.RpcError:
+            pass  # the final stage went away, or the head is draining; its next return opens a new stream
+        finally:
+            with self._return_lock:
+                self._return_streams.discard(context)
+        return pb.ReturnAck(accepted=accepted)
+
+    @_unary
+    def Decode(self, request, context):  # noqa: N802
+        self._require_head("Decode")
+        entry = StepEntry(
+            session_id=request.session_id, phase=PHASE_DECODE, positions=[request.position],
+            token_ids=[request.token_id], sample_last=True, want_logits=request.want_logits,
+            sampling=codec.sampling_from_pb(request.sampling) if request.HasField("sampling") else None,
+        )
+        out = self.stage.process(Step(request_id="", entries=[entry]), context.time_remaining()).outputs[0]
+        return pb.DecodeResponse(token=out.token or 0, logits=[] if out.logits is None else out.logits.tolist())
+
+    @_unary
+    def DropSession(self, request, context):  # noqa: N802
+        return codec.drops_to_pb(self.stage.drop_session(request.session_id, context.time_remaining()))
+
+    @_unary
+    def GetStatus(self, request, context):  # noqa: N802
+        return codec.report_to_pb(self.stage.status())
+
+    def Generate(self, request, context):  # noqa: N802
+        started = time.perf_counter()
+        try:
+            self._require_head("Generate")
+            generator = self.head()
+            spec = codec.generate_spec_from_pb(request, max_tokens_limit=generator.max_context,
+                                         limit_hint=generator.runtime.session_limit_hint)
+            first_token_s = None
+            for event in generator.generate(spec, remaining_s=context.time_remaining, is_active=context.is_active):
+                if isinstance(event, Finish):
+                    reason = pb.FINISH_REASON_STOP if event.reason == "stop" else pb.FINISH_REASON_LENGTH
+                    elapsed = time.perf_counter() - started
+                    log.info("generate", stage_id=self.stage.config.stage_id, session_id=event.session_id,
+                             prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                             finish=event.reason, seconds=round(elapsed, 3),
+                             first_token_s=round(first_token_s or elapsed, 3))
+                    self.stage.metrics.requests(rpc="Generate", code="OK").inc()
+                    yield pb.GenerateResponse(done=True, finish_reason=reason, prompt_tokens=event.prompt_tokens,
+                                              completion_tokens=event.completion_tokens, session_id=event.session_id)
+                else:
+                    if first_token_s is None:
+                        first_token_s = time.perf_counter() - started
+                    yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids)
+        except SkippyError as exc:
+            code, _ = status_for(exc)
+            self.stage.metrics.requests(rpc="Generate", code=code.name).inc()
+            log.info("generate refused", stage_id=self.stage.config.stage_id, code=code.name, error=str(exc))
+            _abort(context, exc)

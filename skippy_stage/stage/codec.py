@@ -1,0 +1,279 @@
+"""Protobuf <-> domain, at the edge: the gRPC service, the frame listener, the transports.
+
+Conversions from protobuf are total (any message parses to a domain value); what a client
+can get wrong is refused by the domain checks (``steps.runtime_entries``,
+``SamplingParams.validate``, ``wire.validate_descriptor``) with the field and the value.
+The one exception is ``generate_spec_from_pb``: a Generate request is checked as it is
+read, since nothing below the gRPC edge sees it in protobuf form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from skippy_stage.errors import InvalidRequestError
+from skippy_stage.model.lanes import LaneRow, LaneStats
+from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
+from skippy_stage.stage import wire
+from skippy_stage.stage.reports import StageDrop, StageReport
+from skippy_stage.stage.steps import (
+    PHASE_DECODE,
+    PHASE_PREFILL,
+    Activations,
+    Frame,
+    Output,
+    Outputs,
+    Reply,
+    Step,
+    StepEntry,
+    check_sampling,
+)
+from skippy_stage.v1 import stage_pb2 as pb
+
+DTYPE_TO_PB = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16, "int8": pb.DTYPE_INT8}
+PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
+_PHASE_TO_PB = {PHASE_DECODE: pb.PHASE_DECODE, PHASE_PREFILL: pb.PHASE_PREFILL}
+_PB_TO_PHASE = {v: k for k, v in _PHASE_TO_PB.items()}
+_CODE_VALUE = {code.name: code.value[0] for code in grpc.StatusCode}
+_CODE_NAME = {value: name for name, value in _CODE_VALUE.items()}
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+def _list(values) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+# -- sampling ------------------------------------------------------------------------
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_k=int(msg.top_k),
+        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
+        min_p=float(msg.min_p),
+        repeat_penalty=float(msg.repeat_penalty) if msg.HasField("repeat_penalty") else 1.0,
+        repeat_last_n=int(msg.repeat_last_n) if msg.HasField("repeat_last_n") else 64,
+        seed=int(msg.seed) if msg.HasField("seed") else RANDOM_SEED,
+    )
+
+
+def sampling_to_pb(params: SamplingParams | None) -> pb.SamplingParams:
+    p = params or SamplingParams()
+    msg = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p)
+    msg.top_p = p.top_p
+    msg.repeat_penalty = p.repeat_penalty
+    msg.repeat_last_n = p.repeat_last_n
+    if p.seed != RANDOM_SEED:
+        msg.seed = p.seed
+    return msg
+
+
+# -- a step --------------------------------------------------------------------------
+
+def descriptor_from_pb(msg: pb.FrameDescriptor) -> wire.FrameDescriptor:
+    """An unknown dtype or layout keeps its protobuf name, for the check to refuse by name."""
+    dtype = PB_TO_DTYPE.get(msg.dtype)
+    if dtype is None:
+        dtype = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else str(msg.dtype)
+    layout = wire.LAYOUT_TOKEN_MAJOR if msg.layout == pb.LAYOUT_TOKEN_MAJOR else (
+        pb.Layout.Name(msg.layout) if msg.layout in pb.Layout.values() else str(msg.layout))
+    return wire.FrameDescriptor(
+        version=msg.version, dtype=dtype, layout=layout,
+        producer_stage_index=msg.producer_stage_index, layer_start=msg.layer_start, layer_end=msg.layer_end,
+        token_count=msg.token_count, sequence_count=msg.sequence_count, payload_bytes=msg.payload_bytes,
+        flags=msg.flags, width=msg.width,
+    )
+
+
+def descriptor_to_pb(desc: wire.FrameDescriptor) -> pb.FrameDescriptor:
+    return pb.FrameDescriptor(
+        version=desc.version, dtype=DTYPE_TO_PB[desc.dtype], layout=pb.LAYOUT_TOKEN_MAJOR,
+        producer_stage_index=desc.producer_stage_index, layer_start=desc.layer_start, layer_end=desc.layer_end,
+        token_count=desc.token_count, sequence_count=desc.sequence_count, payload_bytes=desc.payload_bytes,
+        flags=desc.flags, width=desc.width,
+    )
+
+
+def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
+    return StepEntry(
+        session_id=e.session_id,
+        positions=np.array(e.positions, dtype=np.int64),
+        token_ids=np.array(e.token_ids, dtype=np.int64) if len(e.token_ids) else None,
+        phase=_PB_TO_PHASE.get(e.phase, ""),
+        sample_last=e.sample_last,
+        want_logits=e.want_logits,
+        sampling=sampling_from_pb(e.sampling) if e.HasField("sampling") else None,
+    )
+
+
+def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
+    msg = pb.BatchEntry(session_id=e.session_id, phase=_PHASE_TO_PB.get(e.phase, pb.PHASE_UNSPECIFIED),
+                        positions=_list(e.positions), sample_last=e.sample_last, want_logits=e.want_logits)
+    if e.token_ids is not None:
+        msg.token_ids.extend(_list(e.token_ids))
+    if e.sampling is not None:
+        msg.sampling.CopyFrom(sampling_to_pb(e.sampling))
+    return msg
+
+
+def step_from_pb(msg: pb.IterationBatchRequest) -> Step:
+    frame = None
+    if msg.HasField("frame"):
+        frame = Activations(descriptor_from_pb(msg.frame.descriptor), msg.frame.payload)
+    return Step(request_id=msg.request_id, entries=[entry_from_pb(e) for e in msg.entries], frame=frame,
+                return_key=msg.return_key)
+
+
+def step_to_pb(step: Step) -> pb.IterationBatchRequest:
+    msg = pb.IterationBatchRequest(request_id=step.request_id, entries=[entry_to_pb(e) for e in step.entries],
+                                   return_key=step.return_key)
+    if step.frame is not None:
+        msg.frame.descriptor.CopyFrom(descriptor_to_pb(step.frame.descriptor))
+        msg.frame.payload = step.frame.payload
+    return msg
+
+
+def outputs_from_pb(msg: pb.IterationBatchResponse) -> Outputs:
+    return Outputs([Output(o.session_id, o.token if o.has_token else None,
+                           np.array(o.logits, dtype=np.float32) if len(o.logits) else None) for o in msg.outputs],
+                   msg.final_stage_id)
+
+
+def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
+    msgs = []
+    for o in outputs.outputs:
+        out = pb.EntryOutput(session_id=o.session_id)
+        if o.token is not None:
+            out.has_token = True
+            out.token = o.token
+        if o.logits is not None:
+            out.logits.extend(o.logits.tolist())
+        msgs.append(out)
+    return pb.IterationBatchResponse(outputs=msgs, final_stage_id=outputs.final_stage_id)
+
+
+# -- an edge -------------------------------------------------------------------------
+
+def frame_from_pb(msg: pb.HopRequest) -> Frame:
+    return Frame(step=step_from_pb(msg.request), hop_id=msg.hop_id, timeout_s=msg.timeout_s, relay=msg.relay,
+                 sent_unix_ns=msg.sent_unix_ns)
+
+
+def frame_to_pb(frame: Frame) -> pb.HopRequest:
+    return pb.HopRequest(hop_id=frame.hop_id, request=step_to_pb(frame.step), timeout_s=frame.timeout_s,
+                         relay=frame.relay, sent_unix_ns=frame.sent_unix_ns)
+
+
+def reply_from_pb(msg: pb.HopReply) -> Reply:
+    return Reply(hop_id=msg.hop_id, return_key=msg.return_key,
+                 outputs=outputs_from_pb(msg.response) if msg.code == 0 else None,
+                 code=_CODE_NAME.get(msg.code, "UNKNOWN"), message=msg.message, failed_stage=msg.failed_stage,
+                 session_ids=tuple(msg.session_ids))
+
+
+def reply_to_pb(reply: Reply) -> pb.HopReply:
+    msg = pb.HopReply(hop_id=reply.hop_id, return_key=reply.return_key, code=_CODE_VALUE.get(reply.code, 2),
+                      message=reply.message, failed_stage=reply.failed_stage, session_ids=list(reply.session_ids))
+    if reply.outputs is not None:
+        msg.response.CopyFrom(outputs_to_pb(reply.outputs))
+    return msg
+
+
+def returned_to_pb(key: str, outputs: Outputs) -> pb.ReturnedBatch:
+    return pb.ReturnedBatch(return_key=key, response=outputs_to_pb(outputs))
+
+
+# -- reports -------------------------------------------------------------------------
+
+def report_to_pb(r: StageReport) -> pb.StageStatus:
+    msg = pb.StageStatus(
+        stage_id=r.stage_id, stage_index=r.stage_index, run_id=r.run_id, topology_id=r.topology_id,
+        model_id=r.model_id, architecture=r.architecture, layer_start=r.layer_start, layer_end=r.layer_end,
+        include_embeddings=r.include_embeddings, include_output=r.include_output, state=r.state,
+        wire_dtype=r.wire_dtype, downstream_ok=r.downstream_ok, downstream_error=r.downstream_error,
+        hop_transport=r.hop_transport, frame_port=r.frame_port, tls=r.tls,
+        downstream_stage_id=r.downstream_stage_id, downstream_endpoint=r.downstream_endpoint, n_embd=r.n_embd,
+    )
+    s = r.lanes
+    if s is not None:
+        msg.lane_count, msg.active_sessions, msg.idle_lanes = s.lane_count, s.active_sessions, s.idle_lanes
+        msg.free_lanes, msg.max_session_tokens = s.free_lanes, s.max_session_tokens
+        msg.total_session_tokens, msg.kv_pool_tokens = s.total_session_tokens, s.kv_pool_tokens
+        msg.kv_cells_per_lane, msg.discarded_lanes = s.kv_cells_per_lane, s.discarded_lanes
+        msg.lanes.extend(pb.LaneRow(lane=row.lane, state=row.state, session_id=row.session_id or "",
+                                    tokens=row.n_tokens) for row in s.lanes)
+    return msg
+
+
+def report_from_pb(m: pb.StageStatus) -> StageReport:
+    lanes = None
+    if m.n_embd:  # loaded: its lane figures mean something
+        lanes = LaneStats(
+            lane_count=m.lane_count, active_sessions=m.active_sessions, idle_lanes=m.idle_lanes,
+            free_lanes=m.free_lanes, max_session_tokens=m.max_session_tokens,
+            total_session_tokens=m.total_session_tokens, kv_pool_tokens=m.kv_pool_tokens,
+            kv_cells_per_lane=m.kv_cells_per_lane, discarded_lanes=m.discarded_lanes,
+            lanes=tuple(LaneRow(row.lane, row.state, row.session_id or None, row.tokens) for row in m.lanes),
+        )
+    return StageReport(
+        stage_id=m.stage_id, stage_index=m.stage_index, run_id=m.run_id, topology_id=m.topology_id,
+        model_id=m.model_id, architecture=m.architecture, layer_start=m.layer_start, layer_end=m.layer_end,
+        include_embeddings=m.include_embeddings, include_output=m.include_output, state=m.state,
+        wire_dtype=m.wire_dtype, hop_transport=m.hop_transport, frame_port=m.frame_port, tls=m.tls,
+        downstream_ok=m.downstream_ok, downstream_error=m.downstream_error,
+        downstream_stage_id=m.downstream_stage_id, downstream_endpoint=m.downstream_endpoint, n_embd=m.n_embd,
+        lanes=lanes,
+    )
+
+
+def drops_to_pb(drops: Sequence[StageDrop]) -> pb.DropSessionResponse:
+    return pb.DropSessionResponse(stages=[pb.StageDrop(stage_id=d.stage_id, found=d.found, reset_ms=d.reset_ms)
+                                          for d in drops])
+
+
+def drops_from_pb(msg: pb.DropSessionResponse) -> list[StageDrop]:
+    return [StageDrop(d.stage_id, d.found, d.reset_ms) for d in msg.stages]
+
+
+# -- the head's input ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated Generate request."""
+
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+
+
+def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
+    if bool(req.prompt) == bool(req.messages):
+        raise InvalidRequestError("exactly one of prompt and messages must be set "
+                                  f"(prompt has {len(req.prompt)} characters, messages has {len(req.messages)} items)")
+    max_tokens = req.max_tokens or 128
+    if max_tokens > max_tokens_limit:
+        raise InvalidRequestError(f"max_tokens={max_tokens} exceeds this pipeline's limit {max_tokens_limit}"
+                                  + (f" ({limit_hint})" if limit_hint else ""))
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop has {len(req.stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+    for i, s in enumerate(req.stop):
+        if not s or len(s) > MAX_STOP_LEN:
+            raise InvalidRequestError(f"stop[{i}]={s!r} must be 1..{MAX_STOP_LEN} characters")
+    for i, m in enumerate(req.messages):
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise InvalidRequestError(f"messages[{i}].role={m.role!r} must be system, user, assistant or tool")
+    sampling = sampling_from_pb(req.sampling) if req.HasField("sampling") else None
+    return GenerateSpec(
+        prompt=req.prompt or None,
+        messages=tuple((m.role, m.content) for m in req.messages),
+        max_tokens=max_tokens,
+        sampling=check_sampling(sampling, "sampling"),
+        stop=tuple(req.stop),
+    )

@@ -1,0 +1,190 @@
+"""The TCP frame listener: the receiving end of ``hop_transport: "tcp"``.
+
+Two kinds of connection arrive here (``FrameHello.purpose``): an upstream neighbour's frames
+(any stage but the head), and the final stage's direct returns (the head). Each connection
+has one thread, and that thread runs the frames it reads — no hand-off to a pool — so a
+frame's compute starts as soon as its bytes are in.
+
+It guards what the gRPC listener guards: the same TLS and mutual TLS (Python's ``ssl`` with
+the stage's files), the same bearer token (in the hello, compared in constant time), the
+same message size limit, a bounded number of connections, a deadline on the handshake,
+and hostile bytes answered with INVALID_ARGUMENT on the back channel, never a crash.
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import ssl
+import threading
+
+import grpc
+import structlog
+
+from skippy_stage.errors import ConfigError, InvalidRequestError
+from skippy_stage.stage import codec, framing
+from skippy_stage.stage.stage import Stage, error_reply
+from skippy_stage.stage.steps import Reply
+from skippy_stage.v1 import stage_pb2 as pb
+
+log = structlog.get_logger("skippy_stage.listener")
+
+MAX_CONNECTIONS = 64
+# Frames run together at most (the n_batch budget splits them further).
+MAX_COALESCED = 16
+
+
+def _welcome(link: framing.FrameSocket, code: grpc.StatusCode, message: str, stage_id: str) -> None:
+    try:
+        link.send(framing.Kind.WELCOME, pb.FrameWelcome(code=code.value[0], message=message, stage_id=stage_id))
+    except framing.LinkClosed:
+        pass
+
+
+class FrameListener:
+    def __init__(self, stage: Stage, host: str, port: int) -> None:
+        self.stage = stage
+        cfg = stage.config
+        self.log = log.bind(stage_id=cfg.stage_id, run_id=cfg.run_id)
+        self._ssl = framing.server_ssl_context(stage.credentials)
+        self._token = stage.credentials.token
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._sock = socket.create_server((host, port), family=family, backlog=64)
+        except OSError as exc:
+            raise ConfigError(f"stage {cfg.stage_id}: cannot bind the frame listener on {host}:{port} "
+                              f"(frame_port={cfg.frame_port}): {exc.strerror}") from exc
+        self.port = self._sock.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._links: set[framing.FrameSocket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="frame-listener", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                self.log.warning("frame connection refused: too many", peer=str(peer), limit=MAX_CONNECTIONS)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="frame-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        link: framing.FrameSocket | None = None
+        try:
+            framing.tune(conn)
+            conn.settimeout(framing.HANDSHAKE_TIMEOUT_S)
+            sock = self._ssl.wrap_socket(conn, server_side=True) if self._ssl is not None else conn
+            link = framing.FrameSocket(sock, max_message_bytes=self.stage.max_message_bytes)
+            hello = self._handshake(link)
+            if hello is None:
+                return
+            sock.settimeout(None)
+            with self._lock:
+                if self._closed:
+                    return
+                self._links.add(link)
+            if hello.purpose == pb.FrameHello.PURPOSE_HOP:
+                self._frames(link)
+            else:
+                self._returns(link)
+        except (ssl.SSLError, OSError, framing.LinkClosed, InvalidRequestError) as exc:
+            self.log.info("frame connection ended", peer=str(peer), reason=str(exc))
+        finally:
+            if link is not None:
+                with self._lock:
+                    self._links.discard(link)
+                link.close()
+            else:
+                conn.close()
+            self._slots.release()
+
+    def _handshake(self, link: framing.FrameSocket) -> pb.FrameHello | None:
+        cfg = self.stage.config
+        kind, body = link.receive()
+        hello = framing.parse(kind, body, framing.Kind.HELLO)
+        refusal = None
+        if self._token is not None and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
+            refusal = grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in the frame hello"
+        elif hello.version != framing.FRAME_VERSION:
+            refusal = (grpc.StatusCode.FAILED_PRECONDITION,
+                       f"frame hello version={hello.version}; stage {cfg.stage_id} speaks {framing.FRAME_VERSION}")
+        elif hello.purpose == pb.FrameHello.PURPOSE_HOP and cfg.include_embeddings:
+            refusal = (grpc.StatusCode.FAILED_PRECONDITION,
+                       f"stage {cfg.stage_id} takes no frames (layer_start=0); it is the head")
+        elif hello.purpose == pb.FrameHello.PURPOSE_RETURN and not cfg.include_embeddings:
+            refusal = (grpc.StatusCode.FAILED_PRECONDITION,
+                       f"stage {cfg.stage_id} is not the head (layer_start={cfg.layer_start}); returns go to stage 0")
+        elif hello.purpose not in (pb.FrameHello.PURPOSE_HOP, pb.FrameHello.PURPOSE_RETURN):
+            refusal = grpc.StatusCode.INVALID_ARGUMENT, f"frame hello purpose={hello.purpose} is not HOP or RETURN"
+        if refusal is not None:
+            self.stage.metrics.requests(rpc="FrameHello", code=refusal[0].name).inc()
+            self.log.info("frame connection refused", from_stage=hello.stage_id[:256], code=refusal[0].name)
+            _welcome(link, *refusal, cfg.stage_id)
+            return None
+        _welcome(link, grpc.StatusCode.OK, "", cfg.stage_id)
+        self.log.info("frame link open", from_stage=hello.stage_id[:256],
+                      purpose=pb.FrameHello.Purpose.Name(hello.purpose))
+        return hello
+
+    def _frames(self, link: framing.FrameSocket) -> None:
+        """Frames from the upstream neighbour, run on this thread in the order they come."""
+        stage = self.stage
+
+        def sink(reply: Reply) -> None:
+            try:
+                link.send(framing.Kind.HOP_REPLY, codec.reply_to_pb(reply))
+            except framing.LinkClosed:
+                pass  # the upstream is gone; it fails its own steps
+        stage.inbound.add(sink)
+        try:
+            while True:
+                frames = []
+                # Whatever has arrived by the time this thread is free runs as one decode.
+                while not frames or (len(frames) < MAX_COALESCED and link.readable()):
+                    try:
+                        kind, body = link.receive()
+                    except InvalidRequestError as exc:
+                        # Too large to read: the link is out of step. Say why, then close it.
+                        sink(error_reply(exc, return_key="", session_ids=[], stage_id=stage.config.stage_id))
+                        if frames:
+                            stage.accept_frames(frames, sink)
+                        raise
+                    try:
+                        frames.append(codec.frame_from_pb(framing.parse(kind, body, framing.Kind.HOP_REQUEST)))
+                    except InvalidRequestError as exc:
+                        stage.metrics.requests(rpc="Frame", code="INVALID_ARGUMENT").inc()
+                        sink(error_reply(exc, return_key="bad-frame", session_ids=[], stage_id=stage.config.stage_id))
+                        if not frames:
+                            continue
+                        break
+                stage.accept_frames(frames, sink)
+        finally:
+            stage.inbound.discard(sink)
+
+    def _returns(self, link: framing.FrameSocket) -> None:
+        """The final stage's outputs, straight to the head's waiting steps."""
+        while True:
+            kind, body = link.receive()
+            try:
+                batch = framing.parse(kind, body, framing.Kind.RETURNED_BATCH)
+            except InvalidRequestError as exc:
+                self.stage.metrics.requests(rpc="FrameReturn", code="INVALID_ARGUMENT").inc()
+                self.log.warning("undecodable return dropped", error=str(exc))
+                continue
+            self.stage.deliver_return(batch.return_key, codec.outputs_from_pb(batch.response))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links, self._links = list(self._links), set()
+        self._sock.close()
+        for link in links:
+            link.close()
