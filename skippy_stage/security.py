@@ -79,14 +79,14 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-        def deny(_request, context: grpc.ServicerContext):  # noqa: ANN001
+        def deny(_request, context: grpc.ServicerContext):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata")
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)
         self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+    def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(UNAUTHENTICATED_EXEMPT):
             return continuation(handler_call_details)

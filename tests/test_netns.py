@@ -178,7 +178,7 @@ class Client:
             self.proc.wait()
 
 
-def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):  # noqa: ANN001, ANN202
+def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()

@@ -19,25 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from support.pipeline import PROMPTS, StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, status
 
-from skippy_stage.model.loader import reference_llama
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
-PROMPTS = [
-    "The capital of France is",
-    "Here is a short poem about the sea:\n",
-    "def add(a, b):",
-]
 MAX_TOKENS = 48
-
-
-def reference_texts(model, prompts, max_tokens):
-    llm = reference_llama(model, n_ctx=2048, verbose=False)
-    try:
-        return [llm.create_completion(p, max_tokens=max_tokens, temperature=0)["choices"][0]["text"] for p in prompts]
-    finally:
-        llm.close()
 
 
 def cli_generate(endpoint: str, prompt: str, max_tokens: int) -> str:
@@ -47,58 +34,6 @@ def cli_generate(endpoint: str, prompt: str, max_tokens: int) -> str:
         capture_output=True, text=True, timeout=300, check=True,
     )
     return out.stdout
-
-
-def grpc_generate(endpoint: str, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, pb.GenerateResponse]:
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = pb_grpc.StageServiceStub(channel)
-        text, last = [], None
-        for msg in stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=timeout):
-            text.append(msg.text)
-            last = msg
-        return "".join(text), last
-
-
-def status(endpoint: str) -> pb.StageStatus:
-    with grpc.insecure_channel(endpoint) as channel:
-        return pb_grpc.StageServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=5)
-
-
-def assert_no_active_sessions(configs, within_s: float = 5.0) -> None:
-    """Sessions are freed by the head's scheduler right after the last token; allow it a moment."""
-    deadline = time.monotonic() + within_s
-    while True:
-        active = [status(str(cfg["bind_addr"])).active_sessions for cfg in configs]
-        if not any(active) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert active == [0] * len(configs)
-
-
-class StreamingRun:
-    """A Generate streaming in a thread; ``started`` is set after ``after_pieces`` pieces."""
-
-    def __init__(self, endpoint: str, prompt: str, max_tokens: int, after_pieces: int = 8) -> None:
-        self.pieces: list[str] = []
-        self.started = threading.Event()
-        self.outcome: dict[str, object] = {}
-
-        def run() -> None:
-            with grpc.insecure_channel(endpoint) as channel:
-                try:
-                    for msg in pb_grpc.StageServiceStub(channel).Generate(
-                            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=120):
-                        self.pieces.append(msg.text)
-                        if len(self.pieces) >= after_pieces:
-                            self.started.set()
-                        if msg.done:
-                            self.outcome["done"] = msg
-                except grpc.RpcError as err:
-                    self.outcome["error"] = err
-                self.started.set()
-
-        self.worker = threading.Thread(target=run)
-        self.worker.start()
 
 
 @pytest.fixture(scope="module")

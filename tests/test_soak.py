@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_pipeline import status
+from support.pipeline import status, wait_no_active_sessions
 
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -112,16 +112,6 @@ def rss_kib(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-def wait_no_active_lanes(configs, within_s: float = 5.0) -> list[int]:
-    """Cancelled sessions are freed by the head's scheduler a moment later; poll for it."""
-    deadline = time.monotonic() + within_s
-    while True:
-        active = [status(str(cfg["bind_addr"])).active_sessions for cfg in configs]
-        if not any(active) or time.monotonic() > deadline:
-            return active
-        time.sleep(0.1)
-
-
 def health(endpoint: str) -> int:
     with grpc.insecure_channel(endpoint) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
@@ -136,7 +126,7 @@ def soak(smollm2, start_pipeline, tmp_path, per_client: int, max_rss_growth: flo
         warmup = Tally()
         run_clients(endpoint, WARMUP_PER_CLIENT, warmup, seed=1)
         assert warmup.errors == [], warmup.errors[:5]
-        assert wait_no_active_lanes(pipeline.configs) == [0] * len(pids)
+        assert wait_no_active_sessions(pipeline.configs) == [0] * len(pids)
         rss_before = [rss_kib(pid) for pid in pids]
 
         tally = Tally()
@@ -144,7 +134,7 @@ def soak(smollm2, start_pipeline, tmp_path, per_client: int, max_rss_growth: flo
         run_clients(endpoint, per_client, tally, seed=2)
         seconds = time.perf_counter() - started
 
-        active = wait_no_active_lanes(pipeline.configs)
+        active = wait_no_active_sessions(pipeline.configs)
         rss_after = [rss_kib(pid) for pid in pids]
         print(f"\nsoak: {CLIENTS} clients x {per_client} generations in {seconds:.1f}s (after {CLIENTS} x "
               f"{WARMUP_PER_CLIENT} warm-up): {tally.done} done ({tally.tokens} tokens), {tally.cancelled} "

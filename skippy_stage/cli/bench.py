@@ -143,7 +143,7 @@ class _Pipeline:
 class _Echo(pb_grpc.StageServiceServicer):
     """Answers every frame at once: what one hop costs with no stage work at all."""
 
-    def ActivationStream(self, request_iterator, context):  # noqa: ANN001, ANN201, N802
+    def ActivationStream(self, request_iterator, context):  # noqa: N802
         for hop in request_iterator:
             yield pb.HopReply(hop_id=hop.hop_id)
 

@@ -43,7 +43,7 @@ class Finish:
     session_id: str
 
 
-class _StopScanner:
+class StopScanner:
     """Releases generated text, holding back what might still become a stop string."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
@@ -140,7 +140,7 @@ class Generator:
         slog = log.bind(stage_id=self.stage.config.stage_id, session_id=task.session_id)
         self.scheduler.submit(task)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
-        scanner = _StopScanner(spec.stop)
+        scanner = StopScanner(spec.stop)
         completion = 0
         pending_ids: list[int] = []
         reason = FINISH_LENGTH

@@ -230,7 +230,7 @@ class Scheduler:
             if batch:
                 try:
                     self._run_step(batch)
-                except Exception as exc:  # noqa: BLE001 - a dead worker would strand its sessions
+                except Exception as exc:
                     self.flush_events()
                     self.log.exception("scheduler step crashed", sessions=[t.session_id for t in batch])
                     failure = RuntimeFailure(f"the head's scheduler failed a step: {exc!r}")

@@ -43,7 +43,7 @@ def _unary(handler: Callable) -> Callable:
     rpc = handler.__name__
 
     @functools.wraps(handler)
-    def wrapper(self: StageServicer, request, context):  # noqa: ANN001
+    def wrapper(self: StageServicer, request, context):
         try:
             response = handler(self, request, context)
         except SkippyError as exc:

@@ -144,7 +144,7 @@ def parse(kind: int, body: bytes, expected: Kind):
         raise InvalidRequestError(f"frame message kind={name} is not accepted here (expected {expected.name})")
     try:
         return MESSAGE_TYPES[expected].FromString(body)
-    except Exception as exc:  # protobuf's DecodeError, and anything else a corrupt body raises
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, and anything else a corrupt body raises
         raise InvalidRequestError(f"frame message of kind {expected.name} does not parse: {exc}") from None
 
 

@@ -22,7 +22,7 @@ import grpc
 import structlog
 
 from skippy_stage.config import PeerConfig
-from skippy_stage.errors import DownstreamError
+from skippy_stage.errors import DownstreamError, InvalidRequestError
 from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, framing
 from skippy_stage.stage.downstream import HopFuture, channel_options
@@ -120,7 +120,7 @@ class TcpReturn:
                 self._link = framing.dial(self._host, port, creds=self._creds, purpose=pb.FrameHello.PURPOSE_RETURN,
                                           stage_id=self._stage_id, max_message_bytes=self._max,
                                           timeout_s=CONNECT_TIMEOUT_S)
-            except Exception as exc:  # any failure means "relay instead"
+            except Exception as exc:  # noqa: BLE001 - any failure means "relay instead"
                 self._backoff.trip()
                 self.log.warning("cannot reach the head for direct returns; relaying", error=str(exc))
                 return None
@@ -131,7 +131,7 @@ class TcpReturn:
         """The head sends nothing on this link: a read returning means it closed or broke."""
         try:
             link.receive()
-        except Exception:
+        except (framing.LinkClosed, InvalidRequestError, OSError):
             pass
         self._drop(link)
 
@@ -240,8 +240,8 @@ class LocalReturn:
 def _describe(call: grpc.Future) -> str:
     try:
         error = call.exception(timeout=0)
-    except Exception as exc:  # a cancelled call raises here
-        return repr(exc)
+    except grpc.FutureCancelledError:
+        return "cancelled"
     if error is None:
         return "closed by the head"
     return f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else repr(error)

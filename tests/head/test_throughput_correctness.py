@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_pipeline import PROMPTS, assert_no_active_sessions, grpc_generate, reference_texts, status
+from support.pipeline import PROMPTS, assert_no_active_sessions, grpc_generate, reference_texts, status
 
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -127,11 +127,11 @@ def test_the_admission_queue_refuses_over_grpc_with_a_retry_hint_and_the_stage_k
         queued = _Stream(stub, PROMPTS[0], 8)
         time.sleep(1.0)  # let the head put it in the queue (no RPC reports the queue depth)
 
-        started = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_tokens=8), timeout=10))
-        assert time.monotonic() - started < 1.5  # refused at once, not after admission_wait_s=2
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Refused at once because the queue is full, not after waiting out admission_wait_s.
+        assert "admission queue is full" in refused.value.details(), refused.value.details()
         assert "retry after" in refused.value.details()
 
         queued.join(10)
@@ -189,13 +189,14 @@ def test_half_precision_wires_keep_the_greedy_texts_of_unambiguous_prompts(wire_
         pipeline.stop()
 
 
-def test_int8_wire_codec_generates_text_without_error(smollm2, start_pipeline):
+def test_int8_wire_keeps_the_greedy_texts_of_unambiguous_prompts(smollm2, lossy_reference, start_pipeline):
+    """int8 rounds each row to 1/127 of its largest value, far coarser than f16: still, where every
+    greedy step has a clear winner, the text is the unsplit model's."""
     pipeline = start_pipeline(smollm2, RANGES, n_threads=THREADS, wire_dtype="int8")
     try:
-        for prompt in PROMPTS:
-            text, last = grpc_generate(pipeline.head_endpoint, prompt, 16)
-            assert text.strip()
-            assert last.done and last.completion_tokens >= 1
+        assert [status(str(c["bind_addr"])).wire_dtype for c in pipeline.configs] == ["int8"] * 3
+        texts = [grpc_generate(pipeline.head_endpoint, p, LOSSY_TOKENS)[0] for p in LOSSY_PROMPTS]
+        assert texts == lossy_reference
         assert_no_active_sessions(pipeline.configs)
     finally:
         pipeline.stop()

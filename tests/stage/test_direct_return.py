@@ -9,12 +9,9 @@ session a stage below loses between steps is re-prefilled, not failed.
 
 from __future__ import annotations
 
-import time
-import urllib.request
-
 import grpc
 import pytest
-from test_pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, status
+from support.pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, scrape, status
 
 from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
@@ -26,10 +23,8 @@ THREE = [(0, 10), (10, 20), (20, 30)]
 
 def returns_counted(port: int) -> dict[str, float]:
     """skippy_returns_total by path, scraped from a stage's metrics endpoint."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
     counts = {}
-    for line in text.splitlines():
+    for line in scrape(port).splitlines():
         if line.startswith('skippy_returns_total{path="'):
             path = line.split('"')[1]
             counts[path] = float(line.rsplit(" ", 1)[1])
@@ -125,8 +120,5 @@ def test_return_results_is_refused_below_the_head_and_long_return_keys_are_refus
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "return_key" in err.value.details() and "65" in err.value.details()
     # The stage stays up and serves.
-    deadline = time.monotonic() + 10
-    while status(pipeline.head_endpoint).active_sessions and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert status(pipeline.head_endpoint).active_sessions == 0
+    assert_no_active_sessions([pipeline.head_endpoint], within_s=10)
     assert grpc_generate(pipeline.head_endpoint, PROMPT, 4)[1].done

@@ -1003,7 +1003,7 @@ class Case:
     def _build(self, spec: BatchSpec, stage: int) -> pb.IterationBatchRequest:
         return build_batch(spec, stage, lambda sid: self.next_pos.get((stage, sid), 0))
 
-    def generate(self, call: Iterator[object], what: str, also: frozenset = frozenset()) -> None:
+    def _generate(self, call: Iterator[object], what: str, also: frozenset = frozenset()) -> None:
         """Read up to three messages, then hang up (the stage must free the session)."""
         try:
             for received, _ in enumerate(call, start=1):

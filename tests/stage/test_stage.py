@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from support import split_configs
+from support.chain import split_configs
 
 from skippy_stage.errors import DownstreamError
 from skippy_stage.model.loader import reference_llama

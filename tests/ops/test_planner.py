@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 import pytest
 import yaml
-from test_deploy import check_chain, check_stage_manifests, compose_service_configs, load_docs, validate_manifest
+from support.deploy import check_chain, check_stage_manifests, compose_service_configs, load_docs, validate_manifest
 
 from skippy_stage.config import load_config
 from skippy_stage.model.slicing import stage_file

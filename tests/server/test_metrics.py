@@ -3,29 +3,10 @@ sizes, compute time, forward-hop latency, lanes and KV cells, queue depth, activ
 
 from __future__ import annotations
 
-import re
-import urllib.request
-
-from test_pipeline import grpc_generate
+from support.pipeline import grpc_generate, scrape
+from support.pipeline import metric as value
 
 from skippy_stage.cli.local import free_ports
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    """The sample ``name`` whose labels include ``labels`` (Prometheus text format)."""
-    for line in text.splitlines():
-        match = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(match.group(3))
-    raise AssertionError(f"{name} {labels} not in metrics:\n{text}")
 
 
 def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pipeline):

@@ -15,6 +15,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from support.pipeline import assert_no_active_sessions
 
 from skippy_stage.security import Credentials
 from skippy_stage.stage import framing
@@ -63,11 +64,7 @@ def reply(link: framing.FrameSocket) -> pb.HopReply:
 def assert_healthy(pipeline) -> None:
     for proc in pipeline.procs:
         assert proc.poll() is None, "a stage exited"
-    for i in range(2):
-        deadline = time.monotonic() + 5
-        while status(pipeline, i).active_sessions and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert status(pipeline, i).active_sessions == 0
+    assert_no_active_sessions(pipeline.configs[:2])
     with grpc.insecure_channel(pipeline.head_endpoint) as channel:
         text = "".join(m.text for m in pb_grpc.StageServiceStub(channel).Generate(
             pb.GenerateRequest(prompt="The capital of France is", max_tokens=4), timeout=30))

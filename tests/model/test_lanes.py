@@ -394,7 +394,7 @@ def test_drop_resets_the_lane_and_reports_the_reset_time() -> None:
 
     assert reset.calls == [1]
     assert (result.session_id, result.lane, result.n_tokens, result.discarded) == ("b", 1, 6, False)
-    assert 0.02 <= result.reset_seconds < 1.0
+    assert result.reset_seconds >= 0.02  # the injected reset's own delay is measured
     assert table.lane_of("b") is None
     assert table.stats().total_session_tokens == 0
 
