@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -281,6 +282,27 @@ class StageConfig:
 
     def replace(self, **changes: Any) -> StageConfig:
         return dataclasses.replace(self, **changes)
+
+
+def chain_links(stage_ids: Sequence[str], endpoints: Sequence[str], *,
+                direct_return: bool = True) -> list[dict[str, dict[str, Any]]]:
+    """Who each stage of a chain talks to, as StageConfig fields: ``upstream``, ``downstream``
+    and, on the final stage when ``direct_return``, ``return_to`` the head. The one place a
+    chain is wired (local pipelines, the planner's deployment files, the tests)."""
+    def peer(j: int) -> dict[str, Any]:
+        return {"stage_id": stage_ids[j], "stage_index": j, "endpoint": endpoints[j]}
+
+    links: list[dict[str, dict[str, Any]]] = []
+    for i in range(len(stage_ids)):
+        link: dict[str, dict[str, Any]] = {}
+        if i > 0:
+            link["upstream"] = peer(i - 1)
+        if i + 1 < len(stage_ids):
+            link["downstream"] = peer(i + 1)
+        elif i > 0 and direct_return:
+            link["return_to"] = peer(0)
+        links.append(link)
+    return links
 
 
 def load_config(path: str | os.PathLike[str]) -> StageConfig:

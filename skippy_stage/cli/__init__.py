@@ -1,0 +1,1 @@
+"""The ``skippy-stage`` command: its subcommands, local pipelines, a Generate client, the benchmark."""

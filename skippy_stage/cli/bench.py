@@ -45,9 +45,9 @@ def _long_prompt(runtime: StageRuntime, n_tokens: int) -> tuple[str, list[int]]:
     paragraph = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. "
                  "Over centuries, towers of stone replaced the fires, and lenses replaced the open flame. ")
     text = paragraph
-    while len(runtime.tokenize(text)) < n_tokens:
+    while len(runtime.tokenizer.tokenize(text)) < n_tokens:
         text += paragraph
-    tokens = runtime.tokenize(text)[:n_tokens]
+    tokens = runtime.tokenizer.tokenize(text)[:n_tokens]
     return text, tokens
 
 
@@ -90,7 +90,7 @@ def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, objec
     runtime.drop_session("prefill")
 
     aggregate = {}
-    prompt = runtime.tokenize(PROMPT)
+    prompt = runtime.tokenizer.tokenize(PROMPT)
     for c in CONCURRENCY:
         sessions = [f"s{i}" for i in range(c)]
         started = time.perf_counter()
@@ -516,7 +516,7 @@ def _prefill_prompt(model: Path, cache_dir: str) -> str:
     runtime = StageRuntime(cfg)
     try:
         text, _ = _long_prompt(runtime, PREFILL_TOKENS)
-        while len(runtime.tokenize(text)) > PREFILL_TOKENS:
+        while len(runtime.tokenizer.tokenize(text)) > PREFILL_TOKENS:
             text = text[:-1]
         return text
     finally:

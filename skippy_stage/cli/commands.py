@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the figures as JSON here")
     p.set_defaults(func=cmd_bench)
 
-    from skippy_stage.ops.planner import add_plan_parser
+    from skippy_stage.cli.plan import add_plan_parser
 
     add_plan_parser(sub)
 

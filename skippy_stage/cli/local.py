@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from skippy_stage.config import chain_links
 from skippy_stage.errors import SkippyError
 
 
@@ -56,20 +57,16 @@ def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, po
 
     ``return_path="direct"``: the final stage also sends sampled tokens straight to the head.
     """
+    endpoints = [f"{host}:{ports[i]}" for i in range(len(ranges))]
+    links = chain_links([f"stage-{i}" for i in range(len(ranges))], endpoints, direct_return=return_path == "direct")
     configs = []
     for i, (start, end) in enumerate(ranges):
-        endpoint = lambda j: f"{host}:{ports[j]}"  # noqa: E731
         cfg: dict[str, object] = {
             "run_id": extra.get("run_id", "local"), "model_path": model, "stage_id": f"stage-{i}", "stage_index": i,
-            "layer_start": start, "layer_end": end, "bind_addr": endpoint(i),
+            "layer_start": start, "layer_end": end, "bind_addr": endpoints[i],
         }
         cfg.update({k: v for k, v in extra.items() if k != "run_id"})
-        if i > 0:
-            cfg["upstream"] = {"stage_id": f"stage-{i - 1}", "stage_index": i - 1, "endpoint": endpoint(i - 1)}
-        if i + 1 < len(ranges):
-            cfg["downstream"] = {"stage_id": f"stage-{i + 1}", "stage_index": i + 1, "endpoint": endpoint(i + 1)}
-        elif i > 0 and return_path == "direct":
-            cfg["return_to"] = {"stage_id": "stage-0", "stage_index": 0, "endpoint": endpoint(0)}
+        cfg.update(links[i])
         configs.append(cfg)
     return configs
 

@@ -20,10 +20,25 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from skippy_stage.errors import InvalidRequestError
 from skippy_stage.head.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
-from skippy_stage.stage.codec import GenerateSpec
+from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.stage import Stage
 
 log = structlog.get_logger("skippy_stage.head")
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated Generate request."""
+
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+
 
 # How often a waiting handler checks whether its client is still there.
 _POLL_S = 0.1
@@ -102,15 +117,15 @@ class Generator:
             # The previous step's tokens go to their handlers once this step's frame has left.
             step=lambda request, timeout: stage.process(request, timeout, on_sent=self.scheduler.flush_events),
             drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.drop_s),
-            is_eog=runtime.is_eog,
+            is_eog=runtime.tokenizer.is_eog,
             stage_id=cfg.stage_id,
         )
-        template = runtime.metadata("tokenizer.chat_template")
+        template = runtime.tokenizer.metadata("tokenizer.chat_template")
         self._chat = (
             Jinja2ChatFormatter(
                 template=template,
-                eos_token=runtime.token_text(runtime.eos_token),
-                bos_token=runtime.token_text(runtime.bos_token),
+                eos_token=runtime.tokenizer.token_text(runtime.tokenizer.eos_token),
+                bos_token=runtime.tokenizer.token_text(runtime.tokenizer.bos_token),
             )
             if template
             else None
@@ -118,11 +133,11 @@ class Generator:
 
     def prompt_tokens(self, spec: GenerateSpec) -> list[int]:
         if spec.prompt is not None:
-            return self.runtime.tokenize(spec.prompt, add_special=True, parse_special=True)
+            return self.runtime.tokenizer.tokenize(spec.prompt, add_special=True, parse_special=True)
         if self._chat is None:
             raise InvalidRequestError("messages were given but the model has no chat template (tokenizer.chat_template)")
         rendered = self._chat(messages=[{"role": r, "content": c} for r, c in spec.messages])
-        return self.runtime.tokenize(rendered.prompt, add_special=not rendered.added_special, parse_special=True)
+        return self.runtime.tokenizer.tokenize(rendered.prompt, add_special=not rendered.added_special, parse_special=True)
 
     def generate(self, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:
@@ -161,7 +176,7 @@ class Generator:
                     break
                 completion += 1
                 pending_ids.append(event)
-                text = scanner.feed(decoder.decode(self.runtime.token_bytes(event)))
+                text = scanner.feed(decoder.decode(self.runtime.tokenizer.token_bytes(event)))
                 if scanner.stopped:
                     reason = FINISH_STOP
                     if text:

@@ -29,7 +29,7 @@ def effective_config(path: str | Path) -> tuple[StageConfig, str]:
 
     Raises ConfigError / UnsupportedModelError naming the field and value, as ``serve`` would.
     """
-    from skippy_stage.model.runtime import check_against_model, resolve_context_size
+    from skippy_stage.model.stage_file import check_against_model, resolve_context_size
 
     cfg = load_config(path)
     info = check_against_model(cfg)

@@ -32,11 +32,13 @@ import structlog
 
 from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
 from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure
-from skippy_stage.model import host, llama_ffi, loader
+from skippy_stage.model import llama_ffi, loader
 from skippy_stage.model.capture import Capture, make_capture
 from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
 from skippy_stage.model.sampling import SamplerChain, SamplingParams
-from skippy_stage.model.slicing import ModelInfo, check_architecture, read_model_info, slice_metadata, stage_file
+from skippy_stage.model.slicing import read_model_info
+from skippy_stage.model.stage_file import resolve_context_size, resolve_stage_file
+from skippy_stage.model.tokenizer import Tokenizer
 from skippy_stage.model.ubatch import compute_order
 
 log = structlog.get_logger("skippy_stage.runtime")
@@ -94,54 +96,6 @@ class LoadReport:
     load_seconds: float
 
 
-def check_against_model(cfg: StageConfig) -> ModelInfo:
-    """What the GGUF decides about the config, from its header alone (no weights loaded)."""
-    if cfg.load_mode == "artifact-slice":
-        path = Path(cfg.model_path)
-        meta = slice_metadata(path) if path.is_file() else None
-        if meta is None:
-            raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r} is not a skippy stage file")
-        want = {"layer_start": cfg.layer_start, "layer_end": cfg.layer_end, "final": cfg.include_output}
-        got = {k: meta[k] for k in want}
-        if got != want:
-            raise ConfigError(f"stage {cfg.stage_id}: stage file {path} holds {got}, config needs {want}")
-        info = read_model_info(path)
-        check_architecture(info.architecture)
-        return info
-    try:
-        info = read_model_info(cfg.model_path)
-    except ConfigError as exc:
-        raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r}: {exc}") from None
-    check_architecture(info.architecture)
-    cfg.check_block_count(info.block_count)
-    if cfg.include_output is False and cfg.layer_end == info.block_count:
-        raise ConfigError(
-            f"stage {cfg.stage_id}: layer_end={cfg.layer_end} is the model's last layer, "
-            f"so the stage is final and must have no downstream"
-        )
-    if cfg.include_output and cfg.layer_end != info.block_count:
-        raise ConfigError(
-            f"stage {cfg.stage_id}: no downstream is configured, but layer_end={cfg.layer_end} "
-            f"stops before the model's last layer {info.block_count}"
-        )
-    return info
-
-
-def resolve_context_size(cfg: StageConfig, info: ModelInfo, layers: range) -> loader.ContextSize:
-    """The KV cells this stage's context gets: ctx_size, or sized from the model and host.
-
-    ``info`` describes the file being loaded and ``layers`` this stage's blocks in it.
-    """
-    if cfg.ctx_size is not None:
-        return loader.ContextSize(cfg.ctx_size, f"ctx_size={cfg.ctx_size} in the config")
-    per_token = loader.kv_bytes_per_token(info, layers, cfg.cache_type_k, cfg.cache_type_v)
-    n_ctx_train = int(info.metadata.get(f"{info.architecture}.context_length") or 0)
-    try:
-        return loader.auto_context_size(n_ctx_train, per_token, host.memory_available())
-    except ConfigError as exc:
-        raise ConfigError(f"stage {cfg.stage_id}: ctx_size unset: {exc}") from None
-
-
 class StageRuntime:
     """One loaded layer range with its context, lanes and samplers."""
 
@@ -149,11 +103,12 @@ class StageRuntime:
         llama_ffi.init_backend()
         self.config = config
         self.log = log.bind(stage_id=config.stage_id, run_id=config.run_id)
-        path, built, slice_seconds = self._resolve_stage_file(progress)
+        path, built, slice_seconds = resolve_stage_file(config, progress)
         self.load_path = path
         started = time.perf_counter()
         self._model = self._load_model(path)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.tokenizer = Tokenizer(self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
@@ -209,17 +164,6 @@ class StageRuntime:
                 f"raise ctx_size, lower lane_count or set kv_unified=true")
 
     # -- loading ---------------------------------------------------------------------
-
-    def _resolve_stage_file(self, progress: bool | None) -> tuple[Path, bool, float]:
-        cfg = self.config
-        check_against_model(cfg)
-        if cfg.load_mode == "artifact-slice":
-            return Path(cfg.model_path), False, 0.0
-        made = stage_file(
-            cfg.model_path, cfg.layer_start, cfg.layer_end, final=cfg.include_output,
-            cache_dir=cfg.cache_dir, progress=progress,
-        )
-        return made.path, made.built, made.seconds
 
     def _load_model(self, path: Path) -> llama_cpp.llama_model_p:
         cfg = self.config
@@ -466,52 +410,6 @@ class StageRuntime:
 
     def stats(self) -> LaneStats:
         return self.lanes.stats()
-
-    # -- tokenizer (used by the head) ------------------------------------------------
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        capacity = len(data) + 16
-        buf = (llama_cpp.llama_token * capacity)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
-        if n < 0:
-            capacity = -n
-            buf = (llama_cpp.llama_token * capacity)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
-        return list(buf[:n])
-
-    def token_bytes(self, token: int) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        return buf.raw[:n]
-
-    def metadata(self, key: str) -> str | None:
-        """A GGUF metadata value of the loaded stage file, as llama.cpp reads it."""
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
-
-    def token_text(self, token: int) -> str:
-        return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
-
-    @property
-    def bos_token(self) -> int:
-        return int(llama_cpp.llama_vocab_bos(self._vocab))
-
-    @property
-    def eos_token(self) -> int:
-        return int(llama_cpp.llama_vocab_eos(self._vocab))
-
-    def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     # -- lifecycle -------------------------------------------------------------------
 

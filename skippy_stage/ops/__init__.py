@@ -1,0 +1,1 @@
+"""Operations: planning a split over nodes by memory, and the files that deploy it."""

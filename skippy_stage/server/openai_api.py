@@ -49,10 +49,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skippy_stage.errors import ConfigError, DownstreamError, InvalidFieldError, SkippyError
-from skippy_stage.head.generator import Finish, Generator, Piece
+from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, Piece
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.security import Credentials
-from skippy_stage.stage.codec import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
 from skippy_stage.stage.status import status_for
 
 log = structlog.get_logger("skippy_stage.openai_api")

@@ -20,12 +20,12 @@ import grpc
 import structlog
 
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
-from skippy_stage.head.generator import Finish, Generator
+from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator
 from skippy_stage.stage import codec
 from skippy_stage.stage.downstream import FAILED_STAGE_KEY
 from skippy_stage.stage.stage import Stage
 from skippy_stage.stage.status import status_for
-from skippy_stage.stage.steps import PHASE_DECODE, Reply, Step, StepEntry
+from skippy_stage.stage.steps import PHASE_DECODE, Reply, Step, StepEntry, check_sampling
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -211,7 +211,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         try:
             self._require_head("Generate")
             generator = self.head()
-            spec = codec.generate_spec_from_pb(request, max_tokens_limit=generator.max_context,
+            spec = generate_spec_from_pb(request, max_tokens_limit=generator.max_context,
                                          limit_hint=generator.runtime.session_limit_hint)
             first_token_s = None
             for event in generator.generate(spec, remaining_s=context.time_remaining, is_active=context.is_active):
@@ -234,3 +234,29 @@ class StageServicer(pb_grpc.StageServiceServicer):
             self.stage.metrics.requests(rpc="Generate", code=code.name).inc()
             log.info("generate refused", stage_id=self.stage.config.stage_id, code=code.name, error=str(exc))
             _abort(context, exc)
+
+
+def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
+    if bool(req.prompt) == bool(req.messages):
+        raise InvalidRequestError("exactly one of prompt and messages must be set "
+                                  f"(prompt has {len(req.prompt)} characters, messages has {len(req.messages)} items)")
+    max_tokens = req.max_tokens or 128
+    if max_tokens > max_tokens_limit:
+        raise InvalidRequestError(f"max_tokens={max_tokens} exceeds this pipeline's limit {max_tokens_limit}"
+                                  + (f" ({limit_hint})" if limit_hint else ""))
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop has {len(req.stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+    for i, s in enumerate(req.stop):
+        if not s or len(s) > MAX_STOP_LEN:
+            raise InvalidRequestError(f"stop[{i}]={s!r} must be 1..{MAX_STOP_LEN} characters")
+    for i, m in enumerate(req.messages):
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise InvalidRequestError(f"messages[{i}].role={m.role!r} must be system, user, assistant or tool")
+    sampling = codec.sampling_from_pb(req.sampling) if req.HasField("sampling") else None
+    return GenerateSpec(
+        prompt=req.prompt or None,
+        messages=tuple((m.role, m.content) for m in req.messages),
+        max_tokens=max_tokens,
+        sampling=check_sampling(sampling, "sampling"),
+        stop=tuple(req.stop),
+    )

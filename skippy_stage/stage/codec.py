@@ -3,19 +3,16 @@
 Conversions from protobuf are total (any message parses to a domain value); what a client
 can get wrong is refused by the domain checks (``steps.runtime_entries``,
 ``SamplingParams.validate``, ``wire.validate_descriptor``) with the field and the value.
-The one exception is ``generate_spec_from_pb``: a Generate request is checked as it is
-read, since nothing below the gRPC edge sees it in protobuf form.
+(A Generate request is the head's business: ``server.service`` checks it as it reads it.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
-from skippy_stage.errors import InvalidRequestError
 from skippy_stage.model.lanes import LaneRow, LaneStats
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.stage import wire
@@ -30,7 +27,6 @@ from skippy_stage.stage.steps import (
     Reply,
     Step,
     StepEntry,
-    check_sampling,
 )
 from skippy_stage.v1 import stage_pb2 as pb
 
@@ -40,8 +36,6 @@ _PHASE_TO_PB = {PHASE_DECODE: pb.PHASE_DECODE, PHASE_PREFILL: pb.PHASE_PREFILL}
 _PB_TO_PHASE = {v: k for k, v in _PHASE_TO_PB.items()}
 _CODE_VALUE = {code.name: code.value[0] for code in grpc.StatusCode}
 _CODE_NAME = {value: name for name, value in _CODE_VALUE.items()}
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 256
 
 
 def _list(values) -> list[int]:
@@ -238,42 +232,3 @@ def drops_to_pb(drops: Sequence[StageDrop]) -> pb.DropSessionResponse:
 
 def drops_from_pb(msg: pb.DropSessionResponse) -> list[StageDrop]:
     return [StageDrop(d.stage_id, d.found, d.reset_ms) for d in msg.stages]
-
-
-# -- the head's input ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """A validated Generate request."""
-
-    prompt: str | None
-    messages: tuple[tuple[str, str], ...]
-    max_tokens: int
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-
-
-def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
-    if bool(req.prompt) == bool(req.messages):
-        raise InvalidRequestError("exactly one of prompt and messages must be set "
-                                  f"(prompt has {len(req.prompt)} characters, messages has {len(req.messages)} items)")
-    max_tokens = req.max_tokens or 128
-    if max_tokens > max_tokens_limit:
-        raise InvalidRequestError(f"max_tokens={max_tokens} exceeds this pipeline's limit {max_tokens_limit}"
-                                  + (f" ({limit_hint})" if limit_hint else ""))
-    if len(req.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"stop has {len(req.stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
-    for i, s in enumerate(req.stop):
-        if not s or len(s) > MAX_STOP_LEN:
-            raise InvalidRequestError(f"stop[{i}]={s!r} must be 1..{MAX_STOP_LEN} characters")
-    for i, m in enumerate(req.messages):
-        if m.role not in ("system", "user", "assistant", "tool"):
-            raise InvalidRequestError(f"messages[{i}].role={m.role!r} must be system, user, assistant or tool")
-    sampling = sampling_from_pb(req.sampling) if req.HasField("sampling") else None
-    return GenerateSpec(
-        prompt=req.prompt or None,
-        messages=tuple((m.role, m.content) for m in req.messages),
-        max_tokens=max_tokens,
-        sampling=check_sampling(sampling, "sampling"),
-        stop=tuple(req.stop),
-    )

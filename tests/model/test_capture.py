@@ -34,8 +34,8 @@ def hidden_states(config, *, native: bool, monkeypatch) -> dict[str, np.ndarray]
     runtime = StageRuntime(config)
     try:
         assert runtime._capture.kind == ("native" if native else "python")
-        a = runtime.tokenize("The capital of France is a city of")
-        b = runtime.tokenize("def fibonacci(n):")
+        a = runtime.tokenizer.tokenize("The capital of France is a city of")
+        b = runtime.tokenizer.tokenize("def fibonacci(n):")
         results = runtime.run_batch([BatchEntry("a", np.arange(len(a)), token_ids=a),
                                      BatchEntry("b", np.arange(len(b)), token_ids=b)])
         step = runtime.run_batch([BatchEntry("a", [len(a)], token_ids=[a[-1]]),

@@ -33,7 +33,7 @@ def stage(model: Path, cache_dir: Path, **fields: object) -> StageConfig:
 
 
 def run_prompt(runtime: StageRuntime) -> None:
-    tokens = runtime.tokenize("Hello world, this is a multi-token batch")
+    tokens = runtime.tokenizer.tokenize("Hello world, this is a multi-token batch")
     [result] = runtime.run_batch([BatchEntry("s", np.arange(len(tokens)), token_ids=tokens)])
     assert result.hidden.shape == (len(tokens), runtime.n_embd) and np.isfinite(result.hidden).all()
 
@@ -239,3 +239,14 @@ def test_a_stage_with_unset_ctx_size_gets_the_training_context(smollm2, tmp_path
         assert runtime.lanes.kv_pool_tokens == 8192
     finally:
         runtime.close()
+
+
+def test_every_configurable_cache_type_has_its_ggml_type_id():
+    """config.CACHE_TYPES is the one list of cache types; the loader must know each one's id
+    (llama-cpp-python names most of them, bf16 it does not)."""
+    from skippy_stage.config import CACHE_TYPES
+
+    assert set(loader.CACHE_TYPE_IDS) == set(CACHE_TYPES)
+    for name, type_id in loader.CACHE_TYPE_IDS.items():
+        named = getattr(llama_cpp, f"GGML_TYPE_{name.upper()}", None)
+        assert named is None or named == type_id, name

@@ -60,7 +60,7 @@ def tail(chain) -> StageRuntime:
 
 @pytest.fixture(scope="module")
 def prompt(head) -> list[int]:
-    return head.tokenize(PROMPT)
+    return head.tokenizer.tokenize(PROMPT)
 
 
 @pytest.fixture(autouse=True)
@@ -364,7 +364,7 @@ def test_dropping_a_session_resets_its_lane_and_reports_the_time(chain, head, pr
 
 
 def test_the_same_seed_gives_the_same_tokens_and_another_seed_others(chain, head):
-    tokens = head.tokenize("Once upon a time")
+    tokens = head.tokenizer.tokenize("Once upon a time")
     first, _ = generate(chain, "seed-a", tokens, 16, SamplingParams(**SEEDED, seed=1234))
     again, _ = generate(chain, "seed-b", tokens, 16, SamplingParams(**SEEDED, seed=1234))
     other, _ = generate(chain, "seed-c", tokens, 16, SamplingParams(**SEEDED, seed=4321))
@@ -392,7 +392,7 @@ def test_repeat_penalty_sees_the_prompt_that_flows_down_the_chain(chain, head):
     Without a penalty the model continues the pattern with " one", a prompt token; with
     repeat_penalty 1.5 that token is penalised and the very first sampled token changes.
     """
-    tokens = head.tokenize(REPETITIVE)
+    tokens = head.tokenizer.tokenize(REPETITIVE)
     plain, _ = generate(chain, "plain", tokens, 8, SamplingParams())
     assert plain[0] in tokens
     penalised, _ = generate(chain, "penalised", tokens, 8, SamplingParams(repeat_penalty=1.5))
@@ -404,7 +404,7 @@ def test_repeat_penalty_window_holds_the_last_n_tokens_of_the_history(chain, hea
     """Greedy with a penalty picks the argmax of the logits penalised over the last repeat_last_n tokens."""
     penalty, last_n = 1.5, 2
     factor = np.float32(penalty)
-    tokens = head.tokenize("one one one one one one")
+    tokens = head.tokenizer.tokenize("one one one one one one")
     params = SamplingParams(repeat_penalty=penalty, repeat_last_n=last_n)
     out, logits = generate(chain, "window", tokens, 24, params)
     history = list(tokens)

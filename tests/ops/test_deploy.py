@@ -37,7 +37,7 @@ from support.deploy import (
 from skippy_stage.config import load_config
 from skippy_stage.model.packaged import SMOLLM2_FILE
 from skippy_stage.model.slicing import read_model_info
-from skippy_stage.ops.planner import health_probe
+from skippy_stage.ops.deploy import health_probe
 
 
 def test_k8s_has_one_file_per_stage() -> None:

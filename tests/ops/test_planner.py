@@ -17,24 +17,13 @@ import pytest
 import yaml
 from support.deploy import check_chain, check_stage_manifests, compose_service_configs, load_docs, validate_manifest
 
+from skippy_stage.cli.plan import add_plan_parser, cmd_plan
 from skippy_stage.config import load_config
+from skippy_stage.errors import PlanError
 from skippy_stage.model.slicing import stage_file
-from skippy_stage.ops.planner import (
-    DEFAULT_FRAME_PORT,
-    GIB,
-    MIB,
-    ModelFootprint,
-    NodeSpec,
-    PlanError,
-    add_plan_parser,
-    cmd_plan,
-    format_bytes,
-    kv_bytes_per_layer,
-    parse_nodes,
-    plan_stages,
-    read_footprint,
-    write_plan,
-)
+from skippy_stage.ops.deploy import DEFAULT_FRAME_PORT, write_plan
+from skippy_stage.ops.footprint import GIB, MIB, ModelFootprint, format_bytes, kv_bytes_per_layer, read_footprint
+from skippy_stage.ops.plan import NodeSpec, parse_nodes, plan_stages
 
 N_LAYERS = 30
 N_EMBD_KV = 3 * (576 // 9)  # head_count_kv x head size = 192

@@ -5,7 +5,7 @@ Property-based (hypothesis), in two halves:
 * **Pure and fast** — frame decoding (``wire.decode``, ``wire.validate_descriptor``,
   ``codec.descriptor_from_pb``), config loading (``StageConfig.from_dict``,
   ``load_config``) and request parsing (``codec.step_from_pb`` then
-  ``steps.runtime_entries``, ``codec.generate_spec_from_pb``) raise only their documented
+  ``steps.runtime_entries``, ``service.generate_spec_from_pb``) raise only their documented
   domain error, and what decodes round-trips.
 * **Against a real 3-stage SmolLM2 pipeline** (one ``serve`` process per stage, started
   once for the module): hostile IterationBatch, ActivationFrame, ActivationStream,
@@ -39,9 +39,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.pipeline import StageHandle, handles
 
 from skippy_stage.config import (
     CACHE_TYPES,
@@ -53,11 +54,12 @@ from skippy_stage.config import (
     load_config,
 )
 from skippy_stage.errors import ConfigError, InvalidRequestError, SkippyError
+from skippy_stage.head.generator import GenerateSpec
+from skippy_stage.server.service import generate_spec_from_pb
 from skippy_stage.stage import wire
-from skippy_stage.stage.codec import DTYPE_TO_PB, GenerateSpec, descriptor_from_pb, generate_spec_from_pb, step_from_pb
+from skippy_stage.stage.codec import DTYPE_TO_PB, descriptor_from_pb, step_from_pb
 from skippy_stage.stage.steps import StageShape, runtime_entries
 from skippy_stage.v1 import stage_pb2 as pb
-from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 N_BATCH = 64
@@ -730,7 +732,7 @@ def pure_properties(tmp: Path) -> list[tuple[str, st.SearchStrategy, Callable[[o
         ("StageConfig.from_dict raises only ConfigError", config_dicts(), check_from_dict),
         ("load_config raises only ConfigError", config_files(), check_load_config(tmp)),
         ("codec.step_from_pb + steps.runtime_entries raise only SkippyError", BATCH_REQUESTS, check_entries_from_request),
-        ("codec.generate_spec_from_pb raises only InvalidRequestError", GENERATE_SPECS, check_generate_spec),
+        ("service.generate_spec_from_pb raises only InvalidRequestError", GENERATE_SPECS, check_generate_spec),
     ]
 
 
@@ -743,7 +745,7 @@ PURE_DEFAULT = {
     "StageConfig.from_dict raises only ConfigError": 200,
     "load_config raises only ConfigError": 100,
     "codec.step_from_pb + steps.runtime_entries raise only SkippyError": 100,
-    "codec.generate_spec_from_pb raises only InvalidRequestError": 100,
+    "service.generate_spec_from_pb raises only InvalidRequestError": 100,
 }
 PURE_SLOW = {
     "wire.decode raises only InvalidRequestError": 2000,
@@ -754,7 +756,7 @@ PURE_SLOW = {
     "StageConfig.from_dict raises only ConfigError": 2000,
     "load_config raises only ConfigError": 1000,
     "codec.step_from_pb + steps.runtime_entries raise only SkippyError": 1500,
-    "codec.generate_spec_from_pb raises only InvalidRequestError": 1000,
+    "service.generate_spec_from_pb raises only InvalidRequestError": 1000,
 }
 
 
@@ -806,15 +808,6 @@ def test_a_nonsense_timeout_is_a_config_error(key: str, value: object) -> None:
 # =====================================================================================
 
 
-@dataclass
-class Stage:
-    index: int
-    config: dict[str, object]
-    channel: grpc.Channel
-    stub: pb_grpc.StageServiceStub
-    health: health_pb2_grpc.HealthStub
-
-
 def lane_kv_stats(status: pb.StageStatus) -> dict[str, object]:
     """What must be the same before and after the run.
 
@@ -833,7 +826,7 @@ def lane_kv_stats(status: pb.StageStatus) -> dict[str, object]:
 @dataclass
 class Pipeline:
     procs: list
-    stages: list[Stage]
+    stages: list[StageHandle]
     log_dir: Path
     baseline: list[dict[str, object]] = field(default_factory=list)
 
@@ -893,11 +886,7 @@ def pipeline(smollm2, start_pipeline, tmp_path_factory) -> Iterator[Pipeline]:
     log_dir = tmp_path_factory.mktemp("hostile-logs")
     local = start_pipeline(smollm2, RANGES, log_dir=log_dir, n_threads=1, n_batch=N_BATCH, n_ubatch=N_BATCH,
                            lane_count=LANE_COUNT, max_message_bytes=MAX_MESSAGE_BYTES)
-    stages = []
-    for index, cfg in enumerate(local.configs):
-        channel = grpc.insecure_channel(str(cfg["bind_addr"]))
-        stages.append(Stage(index, cfg, channel, pb_grpc.StageServiceStub(channel),
-                            health_pb2_grpc.HealthStub(channel)))
+    stages = handles(local.configs, CALL_TIMEOUT_S)
     p = Pipeline(local.procs, stages, log_dir)
     p.baseline = [lane_kv_stats(s) for s in p.statuses()]
     assert all(b["active_sessions"] == 0 for b in p.baseline)

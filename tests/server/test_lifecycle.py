@@ -12,11 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
+from support.pipeline import StreamingRun
 
 from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
@@ -77,34 +77,17 @@ def test_a_downstream_that_never_becomes_ready_exits_non_zero_naming_it(tmp_path
 def test_sigterm_drains_the_generation_in_flight_refuses_new_ones_and_exits_zero(smollm2, start_pipeline):
     pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1)
     head = pipeline.head_endpoint
-    streamed = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def generate() -> None:
-        with grpc.insecure_channel(head) as channel:
-            try:
-                for msg in pb_grpc.StageServiceStub(channel).Generate(
-                        pb.GenerateRequest(prompt="Once upon a time, there was a dragon who", max_tokens=96),
-                        timeout=60):
-                    if msg.text:
-                        streamed.set()
-                    if msg.done:
-                        outcome["done"] = msg
-            except grpc.RpcError as err:
-                outcome["error"] = err
-
-    worker = threading.Thread(target=generate)
-    worker.start()
-    assert streamed.wait(60)
+    run = StreamingRun(head, "Once upon a time, there was a dragon who", 96, timeout=60)
+    assert run.streaming.wait(60)
     pipeline.procs[0].send_signal(signal.SIGTERM)
     time.sleep(0.3)
     with grpc.insecure_channel(head) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             list(pb_grpc.StageServiceStub(channel).Generate(pb.GenerateRequest(prompt="Hi", max_tokens=4), timeout=10))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-    worker.join(60)
-    assert "error" not in outcome, outcome.get("error")
-    assert outcome["done"].completion_tokens == 96
+    run.join(60)
+    assert run.error is None, run.error
+    assert run.outcome["done"].completion_tokens == 96
     assert pipeline.procs[0].wait(30) == 0
     pipeline.stop()
 

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support.pipeline import StageHandle, handles
 
 from skippy_stage.cli.local import LocalPipeline
 from skippy_stage.stage import wire
 from skippy_stage.stage.codec import descriptor_to_pb
 from skippy_stage.v1 import stage_pb2 as pb
-from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 N_BATCH = 64
@@ -39,27 +39,6 @@ N_VOCAB = 49152
 SERVICE = "skippy.stage.v1.StageService"
 RPC_TIMEOUT_S = 30.0
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few in-vocabulary token ids
-
-
-@dataclass
-class StageHandle:
-    """One stage of the running pipeline, with its own channel and stubs."""
-
-    index: int
-    config: dict[str, object]
-    channel: grpc.Channel
-    stub: pb_grpc.StageServiceStub
-    health: health_pb2_grpc.HealthStub
-
-    @property
-    def stage_id(self) -> str:
-        return str(self.config["stage_id"])
-
-    def status(self) -> pb.StageStatus:
-        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_S)
-
-    def health_status(self, service: str = "") -> int:
-        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT_S).status
 
 
 @dataclass
@@ -74,11 +53,7 @@ class Pipeline:
 @pytest.fixture(scope="module")
 def pipeline(smollm2, start_pipeline) -> Iterator[Pipeline]:
     local = start_pipeline(smollm2, RANGES, n_batch=N_BATCH, n_ubatch=N_BATCH, max_message_bytes=MAX_MESSAGE_BYTES)
-    stages = []
-    for index, cfg in enumerate(local.configs):
-        channel = grpc.insecure_channel(str(cfg["bind_addr"]))
-        stages.append(StageHandle(index, cfg, channel, pb_grpc.StageServiceStub(channel),
-                                  health_pb2_grpc.HealthStub(channel)))
+    stages = handles(local.configs, RPC_TIMEOUT_S)
     yield Pipeline(local, stages)
     for stage in stages:
         stage.channel.close()

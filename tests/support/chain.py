@@ -12,20 +12,21 @@ from pathlib import Path
 
 import numpy as np
 
-from skippy_stage.config import PeerConfig, StageConfig
+from skippy_stage.config import PeerConfig, StageConfig, chain_links
 from skippy_stage.model.runtime import BatchEntry, EntryResult, StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 
 
 def split_configs(model: Path, ranges: Sequence[tuple[int, int]], cache_dir: Path, **overrides: object) -> list[StageConfig]:
     """StageConfigs for consecutive layer ranges, chained upstream to downstream."""
+    links = chain_links([f"stage-{i}" for i in range(len(ranges))],
+                        [f"127.0.0.1:{50100 + i}" for i in range(len(ranges))], direct_return=False)
     configs = []
     for i, (start, end) in enumerate(ranges):
-        down = PeerConfig(f"stage-{i + 1}", i + 1, f"127.0.0.1:{50100 + i + 1}") if i + 1 < len(ranges) else None
-        up = PeerConfig(f"stage-{i - 1}", i - 1, f"127.0.0.1:{50100 + i - 1}") if i > 0 else None
         fields = dict(
             model_path=str(model), stage_id=f"stage-{i}", stage_index=i, layer_start=start, layer_end=end,
-            upstream=up, downstream=down, cache_dir=str(cache_dir), ctx_size=2048, lane_count=2,
+            cache_dir=str(cache_dir), ctx_size=2048, lane_count=2,
+            **{k: PeerConfig(**v) for k, v in links[i].items()},
         )
         fields.update(overrides)
         configs.append(StageConfig(**fields))

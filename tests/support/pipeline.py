@@ -6,8 +6,10 @@ import re
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skippy_stage.model.loader import reference_llama
 from skippy_stage.v1 import stage_pb2 as pb
@@ -83,26 +85,85 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 class StreamingRun:
-    """A Generate streaming in a thread; ``started`` is set after ``after_pieces`` pieces."""
+    """A Generate streaming on its own thread (the one helper for it).
 
-    def __init__(self, endpoint: str, prompt: str, max_tokens: int, after_pieces: int = 8) -> None:
+    ``pieces`` so far; ``streaming`` is set at the first text, ``started`` after
+    ``after_pieces`` pieces (both also when the call ends); ``outcome`` holds the final
+    message (``"done"``) or the error (``"error"``); ``began``/``ended`` are monotonic times.
+    """
+
+    def __init__(self, endpoint: str, prompt: str, max_tokens: int, after_pieces: int = 8,
+                 timeout: float = 120) -> None:
         self.pieces: list[str] = []
+        self.streaming = threading.Event()
         self.started = threading.Event()
         self.outcome: dict[str, object] = {}
-
-        def run() -> None:
-            with grpc.insecure_channel(endpoint) as channel:
-                try:
-                    for msg in pb_grpc.StageServiceStub(channel).Generate(
-                            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=120):
-                        self.pieces.append(msg.text)
-                        if len(self.pieces) >= after_pieces:
-                            self.started.set()
-                        if msg.done:
-                            self.outcome["done"] = msg
-                except grpc.RpcError as err:
-                    self.outcome["error"] = err
-                self.started.set()
-
-        self.worker = threading.Thread(target=run)
+        self.began = time.monotonic()
+        self.ended: float | None = None
+        self._channel = grpc.insecure_channel(endpoint)
+        self.call = pb_grpc.StageServiceStub(self._channel).Generate(
+            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=timeout)
+        self._after = after_pieces
+        self.worker = threading.Thread(target=self._consume, daemon=True)
         self.worker.start()
+
+    def _consume(self) -> None:
+        try:
+            for msg in self.call:
+                if msg.text:
+                    self.pieces.append(msg.text)
+                    self.streaming.set()
+                if len(self.pieces) >= self._after:
+                    self.started.set()
+                if msg.done:
+                    self.outcome["done"] = msg
+        except grpc.RpcError as err:
+            self.outcome["error"] = err
+        finally:
+            self.ended = time.monotonic()
+            self.streaming.set()
+            self.started.set()
+            self._channel.close()
+
+    @property
+    def error(self) -> grpc.RpcError | None:
+        return self.outcome.get("error")  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    def join(self, timeout: float) -> None:
+        self.worker.join(timeout)
+        assert not self.worker.is_alive(), "Generate neither streamed to the end nor failed"
+
+
+@dataclass
+class StageHandle:
+    """One stage of a running pipeline, with its own channel and stubs (``handles``)."""
+
+    index: int
+    config: dict[str, object]
+    channel: grpc.Channel
+    stub: pb_grpc.StageServiceStub
+    health: health_pb2_grpc.HealthStub
+    timeout_s: float = 30.0
+
+    @property
+    def stage_id(self) -> str:
+        return str(self.config["stage_id"])
+
+    def status(self) -> pb.StageStatus:
+        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=self.timeout_s)
+
+    def health_status(self, service: str = "") -> int:
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s).status
+
+
+def handles(configs, timeout_s: float = 30.0) -> list[StageHandle]:
+    """A handle on every stage of a pipeline (close their channels when done)."""
+    out = []
+    for index, cfg in enumerate(configs):
+        channel = grpc.insecure_channel(str(cfg["bind_addr"]))
+        out.append(StageHandle(index, cfg, channel, pb_grpc.StageServiceStub(channel),
+                               health_pb2_grpc.HealthStub(channel), timeout_s))
+    return out

@@ -1,0 +1,61 @@
+"""The loaded model's tokenizer and text metadata: what the head turns text into and back.
+
+Only the head tokenises (the stages below see token ids); it lives beside the runtime that
+owns the model pointer and is valid for as long as that runtime is open.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+
+
+class Tokenizer:
+    def __init__(self, model: llama_cpp.llama_model_p) -> None:
+        self._model = model
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buf = (llama_cpp.llama_token * capacity)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value of the loaded stage file, as llama.cpp reads it."""
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
+
+    @property
+    def bos_token(self) -> int:
+        return int(llama_cpp.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos_token(self) -> int:
+        return int(llama_cpp.llama_vocab_eos(self._vocab))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))

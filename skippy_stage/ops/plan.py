@@ -1,0 +1,286 @@
+"""Stage planning: which node runs which layer range, by memory.
+
+Pure policy (no grpc, no llama.cpp): the inputs are a model's footprint (``footprint``),
+the nodes' memory budgets, and the KV settings; the output is a :class:`Plan`.
+
+Context is counted **per lane**: ``--ctx-size 4096 --lanes 8`` means every session may hold
+4096 tokens at once, so the stage config gets ``ctx_size = 4096 x 8`` cells and the KV cache
+grows linearly with both numbers. With ``kv_unified`` (the stage default) the lanes share that
+pool, so one session may also use more than its share while others are idle. A fixed
+overhead per node (runtime, compute buffers, Python) is charged too, 512 MiB by default.
+
+Layer ranges are contiguous and follow the node order (node 0 is the head). The split
+minimises the largest share of any node's free room (budget less its fixed costs) that its
+layers take; nodes are then filled greedily in order up to that share, so a node with twice
+the room gets about twice the layers. A model that does not fit is refused with a
+:class:`PlanError` that says by how much.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skippy_stage.errors import PlanError
+from skippy_stage.ops.footprint import GIB, MIB, ModelFootprint, format_bytes, kv_bytes_per_layer, read_footprint
+
+DEFAULT_OVERHEAD_MIB = 512
+
+
+# A node name becomes a stage_id, a hostname in endpoints, a Compose service and a
+# Kubernetes Service name, so it must be an RFC 1035 label.
+_NODE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One machine (or GPU) that will run one stage, with its memory budget."""
+
+    name: str
+    mem_gib: float
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.mem_gib * GIB)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One node's share: a layer range and what it costs against the node's budget."""
+
+    node: str
+    layer_start: int
+    layer_end: int
+    weight_bytes: int  # every tensor in the stage file, shared ones included
+    kv_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    budget_bytes: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.total_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The split of one model over ordered nodes; stage 0 is the head."""
+
+    model: ModelFootprint
+    stages: tuple[StagePlan, ...]
+    ctx_size: int  # tokens per lane
+    lanes: int
+    cache_type: str
+    overhead_bytes: int
+
+    @property
+    def kv_cells(self) -> int:
+        """The stage config's ctx_size: the cell pool the lanes share."""
+        return self.ctx_size * self.lanes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.total_bytes for s in self.stages)
+
+    def format_table(self) -> str:
+        head = (
+            f"{self.model.path.name} ({self.model.architecture}, {self.model.block_count} layers): "
+            f"ctx {self.ctx_size}/lane x {self.lanes} lanes, KV cache {self.cache_type}, "
+            f"overhead {self.overhead_bytes / MIB:.0f} MiB/node"
+        )
+        width = max(4, *(len(s.node) for s in self.stages))
+        cols = f"{'node':<{width}}  {'layers':>7}  {'weights MiB':>11}  {'KV MiB':>8}  {'overhead MiB':>12}  " \
+               f"{'total MiB':>9}  {'budget MiB':>10}  {'used':>5}"
+        lines = [head, cols]
+        for s in self.stages:
+            lines.append(
+                f"{s.node:<{width}}  {f'{s.layer_start}:{s.layer_end}':>7}  {s.weight_bytes / MIB:>11.1f}  "
+                f"{s.kv_bytes / MIB:>8.1f}  {s.overhead_bytes / MIB:>12.1f}  {s.total_bytes / MIB:>9.1f}  "
+                f"{s.budget_bytes / MIB:>10.1f}  {100 * s.total_bytes / s.budget_bytes:>4.0f}%"
+            )
+        budget = sum(s.budget_bytes for s in self.stages)
+        weights = sum(s.weight_bytes for s in self.stages)
+        kv = sum(s.kv_bytes for s in self.stages)
+        overhead = sum(s.overhead_bytes for s in self.stages)
+        lines.append(
+            f"{'all':<{width}}  {f'0:{self.model.block_count}':>7}  {weights / MIB:>11.1f}  {kv / MIB:>8.1f}  "
+            f"{overhead / MIB:>12.1f}  {self.total_bytes / MIB:>9.1f}  {budget / MIB:>10.1f}  "
+            f"{100 * self.total_bytes / budget:>4.0f}%"
+        )
+        return "\n".join(lines)
+
+
+def parse_nodes(text: str) -> list[NodeSpec]:
+    """``NAME=MEM_GIB[,NAME=MEM_GIB...]`` in pipeline order (the first node is the head)."""
+    nodes: list[NodeSpec] = []
+    for part in text.split(","):
+        name, sep, mem = part.strip().partition("=")
+        name = name.strip()
+        if not sep:
+            raise PlanError(f"--nodes part {part!r} must be NAME=MEM_GIB")
+        try:
+            mem_gib = float(mem)
+        except ValueError:
+            raise PlanError(f"--nodes part {part!r}: memory {mem.strip()!r} is not a number of GiB") from None
+        nodes.append(NodeSpec(name=name, mem_gib=mem_gib))
+    _check_nodes(nodes)
+    return nodes
+
+
+def _check_nodes(nodes: list[NodeSpec]) -> None:
+    if not nodes:
+        raise PlanError("no nodes given")
+    seen: set[str] = set()
+    for node in nodes:
+        if not _NODE_NAME.match(node.name):
+            raise PlanError(
+                f"node name {node.name!r} must be a lowercase DNS label (a-z, 0-9, '-', starting with a letter, "
+                f"at most 63 characters): it becomes the stage_id, the hostname and the Service name"
+            )
+        if node.name in seen:
+            raise PlanError(f"node name {node.name!r} appears twice")
+        seen.add(node.name)
+        if not node.mem_gib > 0:
+            raise PlanError(f"node {node.name}: memory {node.mem_gib!r} GiB must be > 0")
+
+
+def plan_stages(
+    model: ModelFootprint,
+    nodes: list[NodeSpec],
+    *,
+    ctx_size: int = 4096,
+    lanes: int = 4,
+    cache_type: str = "f16",
+    overhead_mib: float = DEFAULT_OVERHEAD_MIB,
+) -> Plan:
+    """Split ``model`` into contiguous layer ranges over ``nodes`` (in order), or refuse."""
+    _check_nodes(nodes)
+    if overhead_mib < 0:
+        raise PlanError(f"overhead {overhead_mib!r} MiB must be >= 0")
+    n_layers, n_nodes = model.block_count, len(nodes)
+    if n_nodes > n_layers:
+        raise PlanError(f"{n_nodes} nodes for {n_layers} layers: every node needs at least one layer")
+    kv = kv_bytes_per_layer(model, ctx_size, lanes, cache_type)
+    overhead = int(overhead_mib * MIB)
+    layer_cost = [w + k for w, k in zip(model.layer_weight_bytes, kv)]
+    prefix = [0]
+    for c in layer_cost:
+        prefix.append(prefix[-1] + c)
+    fixed = [overhead + model.shared_bytes + (model.output_bytes if j == n_nodes - 1 else 0) for j in range(n_nodes)]
+    budgets = [node.budget_bytes for node in nodes]
+    room = [b - f for b, f in zip(budgets, fixed)]
+
+    _refuse_if_short(model, nodes, budgets, fixed, room, layer_cost, prefix[-1], kv, overhead)
+
+    def cost(s: int, e: int) -> int:
+        return prefix[e] - prefix[s]
+
+    # Every possible share cost(s, e) / room_j; the answer is the smallest one that admits a split.
+    candidates = sorted({cost(s, e) / room[j] for j in range(n_nodes) for s in range(n_layers)
+                         for e in range(s + 1, n_layers + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _split(prefix, room, candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    share = candidates[lo]
+    ranges = _split(prefix, room, share)
+    assert ranges is not None  # the largest candidate always admits a split (each room > 0)
+    if share > 1:
+        over = max((cost(s, e) - r, nodes[j].name) for j, ((s, e), r) in enumerate(zip(ranges, room)))
+        raise PlanError(
+            f"model {model.path.name} does not fit these nodes in contiguous layer ranges: the closest split "
+            f"({', '.join(f'{nd.name}={s}:{e}' for nd, (s, e) in zip(nodes, ranges))}) still overcommits node "
+            f"{over[1]} by {format_bytes(over[0])}"
+        )
+    stages = []
+    for j, (node, (s, e)) in enumerate(zip(nodes, ranges)):
+        weights = sum(model.layer_weight_bytes[s:e]) + model.shared_bytes
+        weights += model.output_bytes if j == n_nodes - 1 else 0
+        kv_stage = sum(kv[s:e])
+        stages.append(StagePlan(
+            node=node.name, layer_start=s, layer_end=e, weight_bytes=weights, kv_bytes=kv_stage,
+            overhead_bytes=overhead, total_bytes=weights + kv_stage + overhead, budget_bytes=budgets[j],
+        ))
+    return Plan(model=model, stages=tuple(stages), ctx_size=ctx_size, lanes=lanes, cache_type=cache_type,
+                overhead_bytes=overhead)
+
+
+def _refuse_if_short(model: ModelFootprint, nodes: list[NodeSpec], budgets: list[int], fixed: list[int],
+                     room: list[int], layer_cost: list[int], layers_total: int, kv: tuple[int, ...],
+                     overhead: int) -> None:
+    """Refuse, saying by how much, when the budgets add up short or a node cannot take one layer."""
+    problems = []
+    need = layers_total + sum(fixed)
+    if need > sum(budgets):
+        problems.append(
+            f"model {model.path.name} does not fit: it needs {format_bytes(need)} on these {len(nodes)} nodes "
+            f"(tensors {format_bytes(model.tensor_bytes + model.shared_bytes * (len(nodes) - 1))}, "
+            f"KV {format_bytes(sum(kv))}, overhead {len(nodes)} x {format_bytes(overhead)}) but their budgets "
+            f"sum to {format_bytes(sum(budgets))}: short by {format_bytes(need - sum(budgets))}"
+        )
+    smallest = min(layer_cost)
+    for node, budget, f, r in zip(nodes, budgets, fixed, room):
+        if r < smallest:
+            problems.append(
+                f"node {node.name} ({node.mem_gib:g} GiB) cannot hold its fixed costs ({format_bytes(f)}: overhead "
+                f"{format_bytes(overhead)} + non-layer tensors {format_bytes(f - overhead)}) plus one layer "
+                f"({format_bytes(smallest)}): short by {format_bytes(f + smallest - budget)}"
+            )
+    if problems:
+        raise PlanError("; ".join(problems))
+
+
+def _split(prefix: list[int], room: list[int], share: float) -> list[tuple[int, int]] | None:
+    """Contiguous ranges where node j's layers cost at most ``share`` of room[j], or None.
+
+    ok[j][s]: layers s.. can be split among nodes j..; nodes are then filled greedily in
+    order, each taking the most layers that still leave the rest splittable.
+    """
+    n_layers, n_nodes = len(prefix) - 1, len(room)
+
+    def reach(j: int, s: int) -> int:
+        """The largest end e such that layers s:e fit node j at this share."""
+        limit = share * room[j]
+        # prefix is increasing: find the last e with prefix[e] - prefix[s] <= limit
+        e = bisect.bisect_right(prefix, prefix[s] + limit) - 1
+        while e > s and (prefix[e] - prefix[s]) / room[j] > share:  # float rounding at the edge
+            e -= 1
+        while e < n_layers and (prefix[e + 1] - prefix[s]) / room[j] <= share:
+            e += 1
+        return e
+
+    ok = [[False] * (n_layers + 1) for _ in range(n_nodes + 1)]
+    ok[n_nodes][n_layers] = True
+    for j in range(n_nodes - 1, -1, -1):
+        below = ok[j + 1]
+        count = [0]  # count[e] = how many of below[0:e] are True
+        for flag in below:
+            count.append(count[-1] + flag)
+        for s in range(n_layers):
+            e_max = reach(j, s)
+            ok[j][s] = e_max > s and count[e_max + 1] - count[s + 1] > 0
+    if not ok[0][0]:
+        return None
+    ranges, s = [], 0
+    for j in range(n_nodes):
+        e = reach(j, s)
+        while not ok[j + 1][e]:
+            e -= 1
+        ranges.append((s, e))
+        s = e
+    return ranges
+
+
+def make_plan(model_path: str | Path, nodes: list[NodeSpec], **kwargs: Any) -> Plan:
+    """Read the GGUF and plan it over ``nodes``; keyword arguments as :func:`plan_stages`."""
+    return plan_stages(read_footprint(model_path), nodes, **kwargs)
