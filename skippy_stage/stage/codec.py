@@ -96,8 +96,9 @@ def descriptor_to_pb(desc: wire.FrameDescriptor) -> pb.FrameDescriptor:
 def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
     return StepEntry(
         session_id=e.session_id,
-        positions=np.array(e.positions, dtype=np.int64),
-        token_ids=np.array(e.token_ids, dtype=np.int64) if len(e.token_ids) else None,
+        # Tuples: the checks turn them into arrays once (np.array here would cost as much again).
+        positions=tuple(e.positions),
+        token_ids=tuple(e.token_ids) if len(e.token_ids) else None,
         phase=_PB_TO_PHASE.get(e.phase, ""),
         sample_last=e.sample_last,
         want_logits=e.want_logits,
