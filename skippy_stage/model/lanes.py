@@ -8,8 +8,11 @@ before reuse, so "all execution lanes are busy" always means exactly that.
 
 Admission is all-or-nothing per batch and happens before anything reaches llama.cpp: a
 session that would overflow its lane's KV cells or the pool is refused with
-:class:`CapacityError`. Everything here is behind one lock; this module imports neither
-grpc nor llama_cpp (the reset action is injected), so it is tested directly.
+:class:`CapacityError`. The bookkeeping is behind one lock, but a released lane's reset (the
+one llama.cpp call, injected) runs outside it, the lane in no pool meanwhile: ``stats`` may show
+one lane fewer for that moment, and the caller must serialise resets with its decodes (the
+runtime holds its compute lock around both). This module imports neither grpc nor llama_cpp,
+so it is tested directly.
 """
 
 from __future__ import annotations

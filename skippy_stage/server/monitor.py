@@ -76,6 +76,7 @@ class DownstreamMonitor:
             if self.stage.downstream is not None:
                 probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
                 if not probe.ok and self.try_alternates():
+                    edge_ok = False  # a new edge: agree on it before calling the stage SERVING
                     probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
                 if not probe.ok:
                     edge_ok = False

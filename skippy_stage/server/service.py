@@ -121,8 +121,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
         last_deadline = [time.monotonic()]
 
         def sink(reply: Reply) -> None:
+            message = codec.reply_to_pb(reply)  # outside the lock: it may carry logits
             with lock:  # queued before it stops being awaited: the stream never ends between the two
-                replies.put(codec.reply_to_pb(reply))
+                replies.put(message)
                 if awaited[reply.hop_id] > 0:
                     awaited[reply.hop_id] -= 1
 
@@ -195,8 +196,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
             token_ids=[request.token_id], sample_last=True, want_logits=request.want_logits,
             sampling=codec.sampling_from_pb(request.sampling) if request.HasField("sampling") else None,
         )
-        out = self.stage.process(Step(request_id="", entries=[entry]), context.time_remaining()).outputs[0]
-        return pb.DecodeResponse(token=out.token or 0, logits=[] if out.logits is None else out.logits.tolist())
+        out = codec.outputs_to_pb(self.stage.process(Step(request_id="", entries=[entry]),
+                                                     context.time_remaining())).outputs[0]
+        return pb.DecodeResponse(token=out.token, logits=out.logits)
 
     @_unary
     def DropSession(self, request, context):  # noqa: N802

@@ -102,7 +102,8 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         phase=_PB_TO_PHASE.get(e.phase, ""),
         sample_last=e.sample_last,
         want_logits=e.want_logits,
-        sampling=sampling_from_pb(e.sampling) if e.HasField("sampling") else None,
+        # Acted on by the final stage only, and checked only where it will be.
+        sampling=sampling_from_pb(e.sampling) if e.sample_last and e.HasField("sampling") else None,
     )
 
 
@@ -121,12 +122,12 @@ def step_from_pb(msg: pb.IterationBatchRequest) -> Step:
     if msg.HasField("frame"):
         frame = Activations(descriptor_from_pb(msg.frame.descriptor), msg.frame.payload)
     return Step(request_id=msg.request_id, entries=[entry_from_pb(e) for e in msg.entries], frame=frame,
-                return_key=msg.return_key)
+                return_key=msg.return_key, wire_entries=msg.entries)
 
 
 def step_to_pb(step: Step) -> pb.IterationBatchRequest:
-    msg = pb.IterationBatchRequest(request_id=step.request_id, entries=[entry_to_pb(e) for e in step.entries],
-                                   return_key=step.return_key)
+    entries = step.wire_entries if step.wire_entries is not None else [entry_to_pb(e) for e in step.entries]
+    msg = pb.IterationBatchRequest(request_id=step.request_id, entries=entries, return_key=step.return_key)
     if step.frame is not None:
         msg.frame.descriptor.CopyFrom(descriptor_to_pb(step.frame.descriptor))
         msg.frame.payload = step.frame.payload
@@ -136,10 +137,12 @@ def step_to_pb(step: Step) -> pb.IterationBatchRequest:
 def outputs_from_pb(msg: pb.IterationBatchResponse) -> Outputs:
     return Outputs([Output(o.session_id, o.token if o.has_token else None,
                            np.array(o.logits, dtype=np.float32) if len(o.logits) else None) for o in msg.outputs],
-                   msg.final_stage_id)
+                   msg.final_stage_id, wire=msg)
 
 
 def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
+    if outputs.wire is not None:
+        return outputs.wire  # read from the wire and unchanged: no second encoding of the logits
     msgs = []
     for o in outputs.outputs:
         out = pb.EntryOutput(session_id=o.session_id)

@@ -406,13 +406,17 @@ class Stage:
     def _send_on(self, frame: Frame, results, sink: Sink) -> None:
         step = frame.step
         downstream = self.downstream
+        incoming = step.return_key
         try:
             if downstream is not None:
-                step.return_key = self.routes.claim(step.return_key, sink, frame.hop_id)
+                step.return_key = self.routes.claim(incoming, sink, frame.hop_id)
             self._pass_on(step, results, downstream, relay=frame.relay, remaining_s=frame.timeout_s or None, sink=sink,
                           hop_id=frame.hop_id)
             self.metrics.requests(rpc="Frame", code="OK").inc()
         except SkippyError as exc:
+            if step.return_key != incoming:  # the frame never left: answer under the key it came with
+                self.routes.take(step.return_key)
+                step.return_key = incoming
             self._refuse(frame, exc, sink)
 
     def _refuse(self, frame: Frame, exc: SkippyError, sink: Sink) -> None:

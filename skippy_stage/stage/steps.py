@@ -65,6 +65,9 @@ class Step:
     entries: Sequence[StepEntry]
     frame: Activations | None = None
     return_key: str = ""
+    # Opaque to the stage logic: the entries as they arrived on the wire (set by ``codec``), so a
+    # stage forwards them without encoding them again. Never read here.
+    wire_entries: object = field(default=None, repr=False, compare=False)
 
     @property
     def session_ids(self) -> list[str]:
@@ -84,6 +87,9 @@ class Outputs:
 
     outputs: Sequence[Output]
     final_stage_id: str
+    # Opaque: the response these outputs were read from (``codec``), so a stage that relays them
+    # (or the head answering a unary call) sends it on without encoding the logits again.
+    wire: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -197,7 +203,7 @@ def forward_step(step: Step, results: Sequence[EntryResult], shape: StageShape) 
         raise RuntimeFailure(f"stage {shape.stage_id}: wire_dtype={shape.wire_dtype} cannot encode this "
                              f"batch's hidden states: {exc}") from exc
     return Step(request_id=step.request_id, entries=step.entries, frame=Activations(desc, payload),
-                return_key=step.return_key)
+                return_key=step.return_key, wire_entries=step.wire_entries)
 
 
 def outputs_from_results(results: Sequence[EntryResult], stage_id: str) -> Outputs:

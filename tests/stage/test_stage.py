@@ -193,3 +193,32 @@ def test_frames_that_arrive_together_run_in_one_decode_and_each_gets_its_own_out
         assert together[0].outputs.outputs[0].token == tokens[0]
     finally:
         close(stages)
+
+
+def test_a_frame_that_cannot_go_on_is_answered_under_the_key_it_came_with(smollm2, slice_cache, expected):
+    """The upstream matches an error to its step by the key it sent; a key this stage had to
+    replace (here: none at all) must not leak into the error, or the upstream waits it out."""
+    prompt, _ = expected
+    stages = chain(smollm2, slice_cache, direct=True)
+    try:
+        head_frames: list[Frame] = []
+
+        class Catch:  # stands in for stage-1's view from above: keeps the frame stage-0 sends
+            runtime = object()
+            inbound = stages[1].inbound
+
+            def accept_frame(self, frame, sink):
+                head_frames.append(frame)
+        stages[0].connect_local(Catch())
+        with pytest.raises(DownstreamError):
+            stages[0].process(prefill("s", 0, prompt), 0.2)
+        frame = head_frames[0]
+        frame.step.return_key = ""  # as a hostile or careless upstream might send it
+        final, stages[2].runtime = stages[2].runtime, None  # the stage below cannot take it
+        replies: list[Reply] = []
+        stages[1].accept_frame(frame, replies.append)
+        stages[2].runtime = final
+        assert [(r.code, r.return_key) for r in replies] == [("UNAVAILABLE", "")]
+        assert replies[0].failed_stage == "stage-2"
+    finally:
+        close(stages)
