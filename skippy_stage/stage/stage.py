@@ -81,13 +81,13 @@ _TRANSITIONS = {
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Every timeout is named by its scope (set in the StageConfig, see there)."""
+    """Every timeout, named by its scope: a view of the StageConfig's fields (see there)."""
 
-    hop_s: float = 30.0
-    health_probe_s: float = 1.0
-    health_interval_s: float = 0.5
-    step_s: float = 60.0
-    drop_s: float = 5.0
+    hop_s: float
+    health_probe_s: float
+    health_interval_s: float
+    step_s: float
+    drop_s: float
 
     @classmethod
     def from_config(cls, cfg: StageConfig) -> Timeouts:
