@@ -1,4 +1,4 @@
-"""The ``skippy-stage`` command: serve, up, generate, demo, slice, check, info.
+"""The ``skippy-stage`` command: serve, up, generate, demo, slice, verify, check, info.
 
 Logs go to stderr, results (generated text, the head endpoint) to stdout. A failure at
 start exits non-zero with one line that names the cause.
@@ -161,6 +161,15 @@ def cmd_slice(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from skippy_stage.model.verify import format_report, parse_split, verify
+
+    report = verify(args.model, parse_split(args.layers), tokens=args.tokens, seed=args.seed,
+                    n_threads=args.threads or None)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0 if report.exact else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skippy-stage", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=os.environ.get("SKIPPY_LOG_LEVEL", "info"))
@@ -235,6 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--final", action="store_true", help="keep the output head (implied when END is the last layer)")
     p.add_argument("--out", help="write here instead of the cache")
     p.set_defaults(func=cmd_slice)
+
+    p = sub.add_parser("verify", help="prove a split of MODEL computes exactly what the unsplit model computes "
+                                      "(exit 0 only when bit-exact)")
+    p.add_argument("model")
+    p.add_argument("--layers", required=True, help="the split, e.g. 0:10,10:20,20:30")
+    p.add_argument("--tokens", type=int, default=8, help="positions compared: half one prefill, half decoded")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt's random token ids")
+    p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_verify)
     return parser
 
 

@@ -195,3 +195,52 @@ def make_capture(target: str, width: int, capacity_rows: int) -> Capture:
     log.warning("compiled capture missing: each graph node costs a Python call (reinstall skippy-stage "
                 "with a C compiler to build skippy_stage/_capture)", looked_in=str(Path(__file__).parent))
     return PythonCapture(target, width, capacity_rows)
+
+
+class LayerTap:
+    """Copies of the residual stream after chosen layers, while the graph runs on.
+
+    Only ``skippy-stage verify`` uses it: it reads the unsplit model's hidden state at
+    each stage boundary to say *where* a split stops being exact. One Python call per
+    graph node is fine there, never on a serving path.
+    """
+
+    def __init__(self, layers: list[int], width: int) -> None:
+        self.width = width
+        self._names = {f"l_out-{il}".encode(): il for il in layers}
+        self._rows: dict[int, list[np.ndarray]] = {il: [] for il in layers}
+        self._error: str | None = None
+        self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+
+    @property
+    def callback(self) -> object:
+        return self._callback
+
+    user_data = None
+
+    def take(self) -> dict[int, np.ndarray]:
+        """The rows seen since the last take, per layer, in compute order."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"layer tap failed: {error}")
+        out = {il: np.concatenate(rows) if rows else np.zeros((0, self.width), np.float32)
+               for il, rows in self._rows.items()}
+        for rows in self._rows.values():
+            rows.clear()
+        return out
+
+    def _on_eval(self, tensor: int, ask: bool, _user: int) -> bool:
+        layer = self._names.get(llama_ffi.ggml_get_name(tensor))
+        if ask:
+            return layer is not None
+        try:
+            ggml_type, width, rows = llama_ffi.tensor_shape(tensor)
+            if ggml_type != llama_ffi.GGML_TYPE_F32 or width != self.width:
+                self._error = f"l_out-{layer} is type {ggml_type} width {width}, not f32 rows of {self.width}"
+                return True
+            dst = np.empty((rows, width), dtype=np.float32)
+            llama_ffi.ggml_backend_tensor_get(tensor, dst.ctypes.data, 0, llama_ffi.ggml_nbytes(tensor))
+            self._rows[layer].append(dst)
+        except Exception as exc:  # noqa: BLE001 - an exception must not unwind through C frames
+            self._error = repr(exc)
+        return True  # keep computing: the tap only watches

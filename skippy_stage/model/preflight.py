@@ -66,6 +66,9 @@ def info_report() -> dict[str, Any]:
     report["cpu_flags"] = [f for f in NOTABLE_FLAGS if f in info.cpu_flags]
     report["loader_policy"] = loader_policy(info)
     library = native_library_path()
+    from skippy_stage.model.slicing import accepted_architectures
+
+    report["architectures"] = sorted(accepted_architectures())
     report["hidden_state_capture"] = (f"native ({library.name})" if library is not None
                                       else "python: the compiled capture is missing (reinstall with a C compiler)")
     return report
@@ -82,6 +85,7 @@ def format_info(report: dict[str, Any]) -> str:
         f"llama.cpp system  {report['system_info']}",
         f"AMX_INT8          {'yes (its repacked kernels are not used: repack stays off)' if report['amx'] else 'no'}",
         f"capture           {report['hidden_state_capture']}",
+        f"architectures     {len(report['architectures'])} proven split == unsplit: {', '.join(report['architectures'])}",
         f"memory            {report['memory_available'] // mib} MiB available of {report['memory_total'] // mib} MiB",
         "devices",
     ]

@@ -33,7 +33,7 @@ import structlog
 from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
 from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure
 from skippy_stage.model import llama_ffi, loader
-from skippy_stage.model.capture import Capture, make_capture
+from skippy_stage.model.capture import Capture, LayerTap, make_capture
 from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
 from skippy_stage.model.sampling import SamplerChain, SamplingParams
 from skippy_stage.model.slicing import read_model_info
@@ -99,7 +99,10 @@ class LoadReport:
 class StageRuntime:
     """One loaded layer range with its context, lanes and samplers."""
 
-    def __init__(self, config: StageConfig, *, progress: bool | None = None) -> None:
+    def __init__(self, config: StageConfig, *, progress: bool | None = None,
+                 tap_layers: Sequence[int] = ()) -> None:
+        """``tap_layers`` (final stages only; ``skippy-stage verify``) records the residual
+        stream after those layers while the graph runs on: see :meth:`take_taps`."""
         llama_ffi.init_backend()
         self.config = config
         self.log = log.bind(stage_id=config.stage_id, run_id=config.run_id)
@@ -120,10 +123,13 @@ class StageRuntime:
         # Kept on self: llama.cpp calls its callback for as long as the context lives.
         self._capture = None if config.include_output else make_capture(
             f"l_out-{self.n_layers - 1}", self.n_embd, config.n_batch)
+        if tap_layers and not config.include_output:
+            raise ConfigError(f"stage {config.stage_id}: layer taps are for a final stage only")
+        self._tap = LayerTap(list(tap_layers), self.n_embd) if tap_layers else None
         self.context_size = self._context_size()
         if self.context_size.capped:
             self.log.warning("context capped by host memory", reason=self.context_size.reason)
-        self._ctx = self._new_context(self._capture)
+        self._ctx = self._new_context(self._capture or self._tap)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.cells_per_lane = int(llama_cpp.llama_n_ctx_seq(self._ctx))
@@ -178,7 +184,7 @@ class StageRuntime:
     def _context_size(self) -> loader.ContextSize:
         return resolve_context_size(self.config, read_model_info(self.load_path), range(self.n_layers))
 
-    def _new_context(self, capture: Capture | None) -> llama_cpp.llama_context_p:
+    def _new_context(self, capture: Capture | LayerTap | None) -> llama_cpp.llama_context_p:
         cfg = self.config
         n_ctx = self.context_size.n_ctx
         self.context_params = loader.context_params(
@@ -193,9 +199,17 @@ class StageRuntime:
         return ctx
 
     def _alloc_batch(self) -> None:
-        """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised."""
+        """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised.
+
+        M-RoPE models (Qwen2-VL and kin) read four positions per row from a batch of hidden
+        states (section-major: t, h, w, extra), where a token batch gives one and llama.cpp
+        widens it as ``[p, p, p, 0]``; a stage fed hidden states must widen it the same way.
+        """
         n, cfg = self.config.n_batch, self.config
-        self._pos = np.zeros(n, dtype=np.int32)
+        rope = int(llama_cpp.llama_model_rope_type(self._model))
+        self._pos_sections = (4 if rope in (llama_cpp.LLAMA_ROPE_TYPE_MROPE, llama_cpp.LLAMA_ROPE_TYPE_IMROPE)
+                              and not cfg.include_embeddings else 1)
+        self._pos = np.zeros(n * self._pos_sections, dtype=np.int32)
         self._n_seq_id = np.ones(n, dtype=np.int32)
         self._seq = np.zeros(n, dtype=np.int32)
         self._seq_ptrs = (self._seq.ctypes.data + 4 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
@@ -320,6 +334,9 @@ class StageRuntime:
             spans[i] = (offset, end)
             offset = end
         self._batch.n_tokens = offset
+        if self._pos_sections == 4:
+            self._pos[offset : 3 * offset] = np.tile(self._pos[:offset], 2)
+            self._pos[3 * offset : 4 * offset] = 0
         if self._capture is not None:
             self._capture.reset()
 
@@ -407,6 +424,12 @@ class StageRuntime:
         if state is not None:
             state.chain.close()
         self._history.pop(session_id, None)
+
+    def take_taps(self) -> dict[int, np.ndarray]:
+        """The rows the layer taps saw since the last call, per tapped layer (compute order)."""
+        if self._tap is None:
+            raise ConfigError(f"stage {self.config.stage_id} was loaded without layer taps")
+        return self._tap.take()
 
     def stats(self) -> LaneStats:
         return self.lanes.stats()

@@ -6,10 +6,11 @@ sliced to match, the token embeddings (llama.cpp insists on them) and the final 
 always, and the output head only for the final stage. Tensor bytes are copied verbatim,
 whatever their quantisation, which is what keeps a split bit-exact.
 
-Layer-index-dependent behaviour must survive renumbering: Gemma-3 derives which layers
-use sliding-window attention from the layer index, so the slice carries the explicit
-per-layer pattern of the *original* indices. An architecture is accepted only when an
-equivalence test in ``tests/test_equivalence.py`` proves its splits exact.
+Layer-index-dependent behaviour must survive renumbering (Gemma-3 derives which layers use
+sliding-window attention from the layer index, DeepSeek counts its leading dense blocks):
+``layer_rules`` says, per architecture, which metadata the slice rewrites, or why it cannot.
+An architecture is accepted only when ``skippy-stage verify`` runs prove its splits exact
+(the generated ``proofs`` table).
 
 Stage files are cached (keyed by the source file's identity, the range and the role),
 written atomically and verified against a digest manifest before reuse.
@@ -17,6 +18,8 @@ written atomically and verified against a digest manifest before reuse.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import mmap
@@ -25,6 +28,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -32,28 +36,16 @@ from pathlib import Path
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from skippy_stage.errors import ConfigError, SliceError, UnsupportedModelError
+from skippy_stage.model import layer_rules, proofs
 
 MANIFEST_SUFFIX = ".manifest.json"
-SLICE_FORMAT_VERSION = 1
+SLICE_FORMAT_VERSION = 2
 
 
-@dataclass(frozen=True)
-class ArchRule:
-    """What slicing must preserve for one architecture.
-
-    ``swa_default_pattern`` is llama.cpp's built-in sliding-window period for the
-    architecture (used when the file states none); ``None`` means no sliding window.
-    """
-
-    swa_default_pattern: int | None = None
-    swa_dense_first: bool = False
-
-
-# Only architectures proven bit-exact by tests/test_equivalence.py belong here.
-ACCEPTED_ARCHITECTURES: dict[str, ArchRule] = {
-    "llama": ArchRule(),
-    "gemma3": ArchRule(swa_default_pattern=6),
-}
+def accepted_architectures() -> dict[str, list[dict[str, object]]]:
+    """Architectures every proof row of which is exact, with those rows."""
+    return {arch: rows for arch, rows in proofs.PROOFS.items()
+            if rows and all(r["exact"] for r in rows) and arch not in layer_rules.STRUCTURAL_REFUSALS}
 
 
 @dataclass(frozen=True)
@@ -167,15 +159,34 @@ def _length(value: object) -> int:
     return len(value) if isinstance(value, tuple) else int(value)
 
 
-def check_architecture(arch: str) -> ArchRule:
-    """Return the slicing rule for ``arch`` or refuse it, saying why."""
-    rule = ACCEPTED_ARCHITECTURES.get(arch)
-    if rule is None:
-        raise UnsupportedModelError(
-            f"architecture {arch!r} is refused: no equivalence test proves its layer splits match the "
-            f"unsplit model (accepted: {', '.join(sorted(ACCEPTED_ARCHITECTURES))})"
-        )
-    return rule
+_PROVING: contextvars.ContextVar[bool] = contextvars.ContextVar("skippy_proving", default=False)
+
+
+@contextlib.contextmanager
+def proving() -> Iterator[None]:
+    """Let an architecture that no proof accepts yet be sliced, for ``skippy-stage verify`` only:
+    the proof itself must be able to run the split it judges."""
+    token = _PROVING.set(True)
+    try:
+        yield
+    finally:
+        _PROVING.reset(token)
+
+
+def check_architecture(arch: str) -> None:
+    """Refuse ``arch`` unless a proof accepts it, saying why."""
+    layer_rules.refuse_structurally(arch)
+    if _PROVING.get() or arch in accepted_architectures():
+        return
+    failed = [r for r in proofs.PROOFS.get(arch, []) if not r["exact"]]
+    if failed:
+        r = failed[0]
+        why = r.get("reason") or f"split {r['split']} differs by up to {r['max_abs_diff']}"
+        raise UnsupportedModelError(f"architecture {arch!r} is refused: its proof failed on fixture {r['fixture']}: {why}")
+    raise UnsupportedModelError(
+        f"architecture {arch!r} is refused: no skippy-stage verify run proves its layer splits match the unsplit "
+        f"model yet (accepted: {', '.join(sorted(accepted_architectures()))}); run `skippy-stage verify` on it"
+    )
 
 
 def _check_range(info: ModelInfo, layer_start: int, layer_end: int) -> None:
@@ -186,18 +197,9 @@ def _check_range(info: ModelInfo, layer_start: int, layer_end: int) -> None:
         )
 
 
-def _swa_layers(reader: GGUFReader, arch: str, rule: ArchRule, block_count: int) -> list[bool] | None:
-    """The per-layer sliding-window flags of the original model, as llama.cpp derives them."""
-    if rule.swa_default_pattern is None:
-        return None
-    key = f"{arch}.attention.sliding_window_pattern"
-    field = reader.get_field(key)
-    if field is not None and field.types[0] == GGUFValueType.ARRAY:
-        return [bool(v) for v in field.contents()]
-    period = int(field.contents()) if field is not None else rule.swa_default_pattern
-    if rule.swa_dense_first:
-        return [period == 0 or il % period != 0 for il in range(block_count)]
-    return [period == 0 or il % period < period - 1 for il in range(block_count)]
+# Arrays of a fixed length (not one value per layer), never sliced even when a tiny model's
+# block count happens to equal their length.
+_FIXED_LENGTH_ARRAYS = "{arch}.rope.dimension_sections {arch}.deepstack_mapping"
 
 
 def layer_index(name: str) -> int | None:
@@ -208,13 +210,13 @@ def layer_index(name: str) -> int | None:
     return int(index)
 
 
-def _is_kept(name: str, layer_start: int, layer_end: int, final: bool) -> str | None:
+def _is_kept(name: str, layer_start: int, layer_end: int, final: bool, keep_output: bool = False) -> str | None:
     """The tensor's name in the slice, or None when the slice drops it."""
     index = layer_index(name)
     if index is not None:
         rest = name[4:].partition(".")[2]
         return f"blk.{index - layer_start}.{rest}" if layer_start <= index < layer_end else None
-    if name.startswith("output.") and not final:
+    if name.startswith("output.") and not (final or keep_output):
         return None
     return name
 
@@ -234,31 +236,35 @@ def write_slice(
     """
     source = Path(source)
     info = read_model_info(source)
-    rule = check_architecture(info.architecture)
+    check_architecture(info.architecture)
     _check_range(info, layer_start, layer_end)
-    reader = GGUFReader(source, "r")
     arch = info.architecture
     n_total = info.block_count
-    swa = _swa_layers(reader, arch, rule, n_total)
-    swa_key = f"{arch}.attention.sliding_window_pattern"
+    overrides = layer_rules.slice_overrides(info.metadata, arch, layer_start, layer_end, final)
+    keep_output = layer_rules.rule_for(arch).needs_output
+    reader = GGUFReader(source, "r")
 
     writer = GGUFWriter(dest, arch=arch, endianess=reader.endianess)
     alignment = _field_value(reader, "general.alignment")
     if alignment is not None:
         writer.data_alignment = int(alignment)
     for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF.") or field.name == swa_key:
+        if field.name == "general.architecture" or field.name.startswith("GGUF.") or field.name in overrides:
             continue
         vtype = field.types[0]
         value = field.contents()
         sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         if field.name == f"{arch}.block_count":
             value = layer_end - layer_start
-        elif vtype == GGUFValueType.ARRAY and field.name.startswith(f"{arch}.") and len(value) == n_total:
+        elif (vtype == GGUFValueType.ARRAY and field.name.startswith(f"{arch}.") and len(value) == n_total
+              and field.name not in _FIXED_LENGTH_ARRAYS.format(arch=arch).split()):
             value = value[layer_start:layer_end]
         writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
-    if swa is not None:
-        writer.add_key_value(swa_key, swa[layer_start:layer_end], GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+    for key, (kind, value) in sorted(overrides.items()):
+        if kind == "bools":
+            writer.add_key_value(key, list(value), GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+        else:
+            writer.add_key_value(key, value, GGUFValueType.UINT32 if kind == "uint32" else GGUFValueType.FLOAT32)
     writer.add_key_value("skippy.slice.version", SLICE_FORMAT_VERSION, GGUFValueType.UINT32)
     writer.add_key_value("skippy.slice.layer_start", layer_start, GGUFValueType.UINT32)
     writer.add_key_value("skippy.slice.layer_end", layer_end, GGUFValueType.UINT32)
@@ -267,7 +273,7 @@ def write_slice(
 
     kept = []
     for tensor in reader.tensors:
-        new_name = _is_kept(tensor.name, layer_start, layer_end, final)
+        new_name = _is_kept(tensor.name, layer_start, layer_end, final, keep_output)
         if new_name is not None:
             kept.append(tensor)
             writer.add_tensor_info(new_name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
@@ -408,7 +414,7 @@ def slice_metadata(path: str | os.PathLike[str]) -> dict[str, int | bool] | None
 
 
 __all__ = [
-    "ACCEPTED_ARCHITECTURES",
+    "accepted_architectures",
     "ModelInfo",
     "StageFile",
     "check_architecture",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError
-from skippy_stage.model import host, loader
+from skippy_stage.model import host, layer_rules, loader
 from skippy_stage.model.slicing import ModelInfo, check_architecture, read_model_info, slice_metadata, stage_file
 
 
@@ -31,6 +31,12 @@ def check_against_model(cfg: StageConfig) -> ModelInfo:
         raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r}: {exc}") from None
     check_architecture(info.architecture)
     cfg.check_block_count(info.block_count)
+    if not (cfg.layer_start == 0 and cfg.layer_end == info.block_count):
+        try:
+            layer_rules.slice_overrides(info.metadata, info.architecture, cfg.layer_start, cfg.layer_end,
+                                        bool(cfg.include_output))
+        except ConfigError as exc:
+            raise ConfigError(f"stage {cfg.stage_id}: {exc}") from None
     if cfg.include_output is False and cfg.layer_end == info.block_count:
         raise ConfigError(
             f"stage {cfg.stage_id}: layer_end={cfg.layer_end} is the model's last layer, "

@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Build the architecture fixtures from the pinned llama.cpp and prove every split of them.
+
+    python scripts/arch_fixtures.py            # C++ build, describe, prove (~15 min on 2 cores)
+    python scripts/arch_fixtures.py --prove    # only prove again, from the committed description
+
+1. Fetch the sdist of the pinned llama-cpp-python from PyPI and take its vendored llama.cpp.
+2. Deepen ``tests/test-llama-archs.cpp`` to at least 6 layers (8 for llama4, whose no-rope
+   step is 4): its per-layer metadata arrays are built in loops over ``n_layer``, so the
+   test's own code extends them and its own initialiser gives every block fresh values.
+3. Build its ``test-llama-archs`` target with CMake and let it save every architecture
+   (``-o DIR``): ``<arch>-dense.gguf`` and ``<arch>-moe.gguf``.
+4. Describe each file (metadata with GGUF types, tensor names, shapes, types) into
+   ``tests/fixtures/archs.jsonl.gz``; the repository keeps that, not the weights: the tests
+   regenerate the weights from a seed (``skippy_stage.model.synthetic``) in seconds.
+5. Prove: regenerate each fixture, ``verify`` a 3-way split with a one-layer stage, and
+   write the verdicts to ``skippy_stage/model/proofs.py``, the table ``slicing`` accepts
+   architectures from. The packaged SmolLM2 (llama) and Gemma-3 join as real models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import pprint
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from skippy_stage.errors import ConfigError, SkippyError  # noqa: E402
+from skippy_stage.model import layer_rules, synthetic  # noqa: E402
+from skippy_stage.model.verify import verify  # noqa: E402
+
+DESCRIPTION = ROOT / "tests" / "fixtures" / "archs.jsonl.gz"
+PROOFS = ROOT / "skippy_stage" / "model" / "proofs.py"
+SEED = 42
+MIN_LAYERS = 6
+DEEPEN_ANCHOR = "    uint32_t n_head_kv = n_head;\n"
+# Hybrids: the 2-layer test marks layer 1 recurrent; deepened, every odd layer is, so a split
+# can give each stage both kinds of layer (llama.cpp needs both in a hybrid's stage).
+HYBRID_ANCHOR = "n_head_per_layer.push_back(il == 1 ? 0 : n_head);"
+HYBRID = "n_head_per_layer.push_back(il % 2 == 1 ? 0 : n_head);"
+DEEPEN = ("    // skippy-stage: at least 6 blocks, so a 3-way split can have a one-layer stage\n"
+          f"    if (n_layer < {MIN_LAYERS}) {{ n_layer = arch == LLM_ARCH_LLAMA4 ? 8 : {MIN_LAYERS}; }}\n")
+
+
+def default_split(n: int) -> list[tuple[int, int]]:
+    """Three stages, the middle one a single layer."""
+    a = max(1, n // 3)
+    return [(0, a), (a, a + 1), (a + 1, n)]
+
+
+def candidate_splits(n: int) -> list[list[tuple[int, int]]]:
+    """The default first, then every other 3-way split with a one-layer stage, any 3-way, any 2-way."""
+    one_layer = [[(0, a), (a, a + 1), (a + 1, n)] for a in range(1, n - 1)]
+    three = [[(0, a), (a, b), (b, n)] for a in range(1, n - 1) for b in range(a + 1, n)]
+    two = [[(0, a), (a, n)] for a in range(1, n)]
+    out = [default_split(n)]
+    for split in one_layer + three + two:
+        if split not in out:
+            out.append(split)
+    return out
+
+
+def pick_split(spec: synthetic.ModelSpec) -> list[tuple[int, int]]:
+    """The first candidate llama.cpp can run: some architectures constrain where a boundary may go."""
+    kv = {k: v for k, _, _, v in spec.metadata}
+    reasons = []
+    for split in candidate_splits(spec.block_count):
+        try:
+            layer_rules.check_split(kv, spec.architecture, split)
+            return split
+        except ConfigError as exc:
+            reasons.append(str(exc))
+    raise ConfigError(f"no split of the {spec.block_count}-layer fixture is allowed: {reasons[0]}")
+
+
+def fetch_llama_cpp(work: Path, sdist: Path | None) -> Path:
+    version = importlib.metadata.version("llama-cpp-python")
+    if sdist is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                        f"llama-cpp-python=={version}", "-d", str(work)], check=True)
+        sdist = next(work.glob(f"llama_cpp_python-{version}.tar.gz"))
+    src = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not src.is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+    test = src / "tests" / "test-llama-archs.cpp"
+    text = test.read_text()
+    if DEEPEN not in text:
+        if DEEPEN_ANCHOR not in text:
+            raise SystemExit(f"{test}: the deepening anchor {DEEPEN_ANCHOR!r} is gone; update this script")
+        text = text.replace(DEEPEN_ANCHOR, DEEPEN + DEEPEN_ANCHOR, 1)
+    if HYBRID not in text:
+        if HYBRID_ANCHOR not in text:
+            raise SystemExit(f"{test}: the hybrid anchor {HYBRID_ANCHOR!r} is gone; update this script")
+        text = text.replace(HYBRID_ANCHOR, HYBRID, 1)
+    test.write_text(text)
+    return src
+
+
+def build(src: Path, jobs: int) -> Path:
+    out = src / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(out), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(out), "--target", "test-llama-archs", "-j", str(jobs)], check=True)
+    return next(out.rglob("test-llama-archs"))
+
+
+def architectures(src: Path) -> list[str]:
+    """The architecture names llama.cpp knows (``LLM_ARCH_NAMES`` in src/llama-arch.cpp)."""
+    text = (src / "src" / "llama-arch.cpp").read_text()
+    return [name for name in re.findall(r'\{\s*LLM_ARCH_\w+,\s*"([^"]+)"\s*\}', text) if name != "(unknown)"]
+
+
+def save_fixtures(binary: Path, src: Path, dest: Path) -> tuple[list[Path], dict[str, str]]:
+    """Every fixture the test saves, and the architectures it fails to build, with its last error.
+
+    One run per architecture: the test stops at the first one it cannot build."""
+    dest.mkdir(parents=True, exist_ok=True)
+    failed: dict[str, str] = {}
+    for arch in architectures(src):
+        proc = subprocess.run([str(binary), "-o", str(dest), "-s", str(SEED), "-a", arch], capture_output=True, text=True)
+        if proc.returncode != 0:
+            errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line]
+            failed[arch] = errors[-1].split(": ", 1)[-1] if errors else f"exit {proc.returncode}"
+            print(f"test-llama-archs cannot build {arch}: {failed[arch]}", file=sys.stderr)
+    return sorted(dest.glob("*.gguf")), failed
+
+
+def describe_all(files: list[Path]) -> list[synthetic.ModelSpec]:
+    specs = []
+    for f in files:
+        try:
+            specs.append(synthetic.describe(f))
+        except ValueError as exc:
+            print(f"skip {f.name}: {exc}", file=sys.stderr)
+    return specs
+
+
+def prove(spec: synthetic.ModelSpec, scratch: Path) -> dict[str, object]:
+    row: dict[str, object] = {"fixture": spec.stem, "moe": spec.moe, "layers": spec.block_count,
+                              "split": "/".join(f"{a}:{b}" for a, b in default_split(spec.block_count))}
+    try:
+        split = pick_split(spec)
+        row["split"] = "/".join(f"{a}:{b}" for a, b in split)
+        path = synthetic.write_model(spec, scratch / f"{spec.stem}.gguf", seed=SEED)
+        report = verify(path, split, tokens=6, cache_dir=scratch / "slices")
+        path.unlink()
+    except SkippyError as exc:
+        row.update(max_abs_diff=None, exact=False, reason=str(exc))
+        return row
+    except Exception as exc:  # noqa: BLE001 - a fixture llama.cpp cannot run is a verdict, not a crash
+        row.update(max_abs_diff=None, exact=False, reason=f"{type(exc).__name__}: {exc}")
+        return row
+    diffs = [b.max_abs_diff for b in report.boundaries] + [report.logits_max_abs_diff]
+    row.update(max_abs_diff=max(diffs), exact=report.exact)
+    if not report.exact:
+        worst = ", ".join(f"layer {b.layer}: {b.max_abs_diff:.3g}" for b in report.boundaries)
+        row["reason"] = (f"split {row['split']} of the fixture is not exact (hidden-state diff at boundaries {worst}; "
+                         f"logits {report.logits_max_abs_diff:.3g})")
+        cause = layer_rules.UNGUARDED_INPUT.get(spec.architecture)
+        if cause:
+            row["reason"] += f": {cause}"
+    return row
+
+
+def run_proofs(specs: dict[str, synthetic.ModelSpec], only: str | None) -> list[dict[str, object]]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="skippy-archs-") as scratch:
+        for stem, spec in sorted(specs.items()):
+            if only and not re.search(only, stem):
+                continue
+            # One process per fixture: an architecture llama.cpp aborts on must not end the run.
+            proc = subprocess.run([sys.executable, __file__, "--prove-one", stem, "--scratch", scratch],
+                                  capture_output=True, text=True)
+            if proc.returncode == 0 and proc.stdout.strip():
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+            else:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                row = {"fixture": stem, "moe": spec.moe, "layers": spec.block_count,
+                       "split": "/".join(f"{a}:{b}" for a, b in default_split(spec.block_count)),
+                       "max_abs_diff": None, "exact": False,
+                       "reason": f"llama.cpp stopped the process (exit {proc.returncode}): {tail[:200]}"}
+            row["architecture"] = spec.architecture
+            print(f"{stem:32} {'exact' if row['exact'] else 'NOT exact':10} {row.get('reason', '')[:100]}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def real_model_rows() -> list[dict[str, object]]:
+    from skippy_stage.model.packaged import gemma3_path, smollm2_path
+
+    rows = []
+    for arch, find, split in (("llama", smollm2_path, [(0, 10), (10, 11), (11, 30)]),
+                              ("gemma3", gemma3_path, [(0, 5), (5, 11), (11, 18)])):
+        path = Path(find())
+        report = verify(path, split, tokens=8)
+        rows.append({"architecture": arch, "fixture": path.name, "moe": False, "layers": report.block_count,
+                     "split": report.split, "exact": report.exact,
+                     "max_abs_diff": max([b.max_abs_diff for b in report.boundaries] + [report.logits_max_abs_diff])})
+    return rows
+
+
+def write_table(rows: list[dict[str, object]]) -> None:
+    by_arch: dict[str, list[dict[str, object]]] = {}
+    for row in rows:
+        by_arch.setdefault(str(row["architecture"]), []).append(row)
+    version = importlib.metadata.version("llama-cpp-python")
+    body = pprint.pformat({a: sorted(v, key=lambda r: str(r["fixture"])) for a, v in sorted(by_arch.items())},
+                          width=120, sort_dicts=True)
+    PROOFS.write_text(
+        '"""Which architectures a split is proven exact for: generated by scripts/arch_fixtures.py, do not edit.\n\n'
+        "Each row is one ``skippy-stage verify`` run: a fixture of llama.cpp's test-llama-archs (random weights,\n"
+        "deepened to 6+ layers) or a packaged real model, split in three with a one-layer stage. An architecture\n"
+        "is accepted when every one of its rows is exact.\n"
+        '"""\n\n'
+        f"LLAMA_CPP_PYTHON = {version!r}\n\n"
+        f"PROOFS: dict[str, list[dict[str, object]]] = {body}\n"
+    )
+
+
+README = ROOT / "README.md"
+
+
+def write_readme_table(rows: list[dict[str, object]]) -> None:
+    """The table between the README's archs markers: one row per proof."""
+    lines = ["| architecture | dense/MoE | layers | split tested | max \\|diff\\| | verdict |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (str(r["architecture"]), str(r["fixture"]))):
+        diff = "–" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:g}"
+        verdict = "exact" if r["exact"] else "refused: " + str(r.get("reason", "not exact")).replace("|", "/")
+        lines.append(f"| {r['architecture']} | {'MoE' if r['moe'] else 'dense'} | {r['layers']} | {r['split']} | "
+                     f"{diff} | {verdict} |")
+    text = README.read_text()
+    begin, end = "<!-- archs:begin -->\n", "<!-- archs:end -->"
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    README.write_text(head + begin + "\n".join(lines) + "\n" + end + tail)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prove", action="store_true", help="skip the C++ build: prove from the committed description")
+    parser.add_argument("--only", help="regex of fixture stems to prove (the table keeps the other rows)")
+    parser.add_argument("--sdist", type=Path, help="a llama-cpp-python sdist already downloaded")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "skippy-llama-cpp")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--prove-one", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.prove_one:
+        spec = synthetic.load_specs(DESCRIPTION)[args.prove_one]
+        print(json.dumps(prove(spec, args.scratch)))
+        return 0
+    if not args.prove:
+        args.work.mkdir(parents=True, exist_ok=True)
+        src = fetch_llama_cpp(args.work, args.sdist)
+        binary = build(src, args.jobs)
+        files, unbuilt = save_fixtures(binary, src, args.work / "fixtures")
+        synthetic.dump_specs(describe_all(files), DESCRIPTION)
+        print(f"described {len(files)} fixtures into {DESCRIPTION} ({DESCRIPTION.stat().st_size // 1024} KiB)")
+    specs = synthetic.load_specs(DESCRIPTION)
+    rows = run_proofs(specs, args.only)
+    if args.only:
+        from skippy_stage.model import proofs
+
+        kept = [r for v in proofs.PROOFS.values() for r in v if not re.search(args.only, str(r["fixture"]))
+                and str(r["fixture"]) in specs]
+        rows = kept + rows
+    rows = rows + real_model_rows()
+    write_table(rows)
+    write_readme_table(rows)
+    exact = sorted({str(r["architecture"]) for r in rows if r["exact"]})
+    print(f"{len(exact)} architectures with an exact fixture; table in {PROOFS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Every accepted architecture is accepted because a split of it was proven exact.
+
+The fixtures are llama.cpp's own test models (tests/test-llama-archs.cpp of the pinned
+source, deepened to 6+ layers): the repository keeps their description
+(tests/fixtures/archs.jsonl.gz) and regenerates the random weights here. Each accepted
+fixture is split in three with a one-layer stage and run through ``verify`` against the
+unsplit model; the table in ``skippy_stage.model.proofs`` must say what these runs say.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skippy_stage.errors import ConfigError, UnsupportedModelError
+from skippy_stage.model import layer_rules, proofs, synthetic
+from skippy_stage.model.slicing import accepted_architectures, check_architecture
+from skippy_stage.model.verify import verify
+
+DESCRIPTION = Path(__file__).resolve().parent.parent / "fixtures" / "archs.jsonl.gz"
+SPECS = synthetic.load_specs(DESCRIPTION)
+ROWS = {str(r["fixture"]): r for rows in proofs.PROOFS.values() for r in rows if str(r["fixture"]) in SPECS}
+EXACT = sorted(stem for stem, r in ROWS.items() if r["exact"])
+NOT_EXACT = sorted(stem for stem, r in ROWS.items() if not r["exact"] and r.get("max_abs_diff") is not None)
+
+
+def proven_split(stem: str) -> list[tuple[int, int]]:
+    """The split the table's row was proven on (3-way with a one-layer stage where the architecture allows)."""
+    return [tuple(int(x) for x in part.split(":")) for part in str(ROWS[stem]["split"]).split("/")]
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("arch-fixtures")
+
+
+def fixture_model(stem: str, directory: Path) -> Path:
+    path = directory / f"{stem}.gguf"
+    if not path.exists():
+        synthetic.write_model(SPECS[stem], path, seed=42)
+    return path
+
+
+def test_the_table_proves_at_least_25_architectures_with_4_moe_families():
+    accepted = accepted_architectures()
+    moe = {str(r["architecture"]) for stem, r in ROWS.items() if r["exact"] and r["moe"]} & set(accepted)
+    print(f"{len(accepted)} accepted, {len(moe)} with a MoE proof: {sorted(accepted)}")
+    assert len(accepted) >= 25
+    assert len(moe) >= 4
+    assert {"llama", "gemma3"} <= set(accepted)
+
+
+@pytest.mark.parametrize("stem", EXACT)
+def test_a_three_way_split_with_a_one_layer_stage_is_bit_exact(stem, tmp_path):
+    """The split of the table's row (3-way with a one-layer stage wherever the architecture allows one)."""
+    spec = SPECS[stem]
+    model = synthetic.write_model(spec, tmp_path / f"{stem}.gguf", seed=42)
+    report = verify(model, proven_split(stem), tokens=6)  # slices in a scratch directory, removed after
+    model.unlink()
+    print(f"{stem}: split {report.split}, boundaries {[b.max_abs_diff for b in report.boundaries]}, "
+          f"logits {report.logits_max_abs_diff}, greedy {report.greedy_agree}/{report.greedy_total}")
+    assert report.exact
+    check_architecture(spec.architecture)  # accepted outside verify too
+
+
+@pytest.mark.parametrize("stem", NOT_EXACT[:3])
+def test_a_refused_fixture_is_still_not_exact_and_is_refused_with_its_reason(stem, tmp_path):
+    spec = SPECS[stem]
+    report = verify(synthetic.write_model(spec, tmp_path / f"{stem}.gguf", seed=42), proven_split(stem), tokens=6)
+    assert not report.exact
+    with pytest.raises(UnsupportedModelError, match=spec.architecture):
+        check_architecture(spec.architecture)
+
+
+def test_an_architecture_no_proof_covers_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="'made-up-arch' is refused: no skippy-stage verify run"):
+        check_architecture("made-up-arch")
+
+
+def test_verify_command_exits_0_only_for_an_exact_split_and_reports_json(fixture_dir):
+    stem = "qwen3-dense" if "qwen3-dense" in EXACT else EXACT[0]
+    model = fixture_model(stem, fixture_dir)
+    n = SPECS[stem].block_count
+    layers = ",".join(f"{a}:{b}" for a, b in proven_split(stem))
+    proc = subprocess.run([sys.executable, "-m", "skippy_stage.cli.commands", "--log-level", "warning", "verify",
+                           str(model), "--layers", layers, "--tokens", "6", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["exact"] is True and report["layers"] == layers.replace(",", "/")
+    assert [b["layer"] for b in report["boundaries"]] == [b for _, b in proven_split(stem)[:-1]]
+    assert report["greedy_agree"] == report["greedy_total"] >= 2
+
+    bad = subprocess.run([sys.executable, "-m", "skippy_stage.cli.commands", "verify", str(model),
+                          "--layers", f"0:2,3:{n}"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "ranges must be contiguous" in bad.stderr
+
+
+@pytest.mark.skipif(not NOT_EXACT, reason="every fixture is exact")
+def test_verify_command_exits_1_when_the_split_is_not_exact(fixture_dir):
+    stem = NOT_EXACT[0]
+    model = fixture_model(stem, fixture_dir)
+    layers = ",".join(f"{a}:{b}" for a, b in proven_split(stem))
+    proc = subprocess.run([sys.executable, "-m", "skippy_stage.cli.commands", "--log-level", "warning", "verify",
+                           str(model), "--layers", layers, "--tokens", "6"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "NOT exact" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", EXACT)
+def test_every_allowed_two_way_split_is_bit_exact(stem, tmp_path):
+    spec = SPECS[stem]
+    model = synthetic.write_model(spec, tmp_path / f"{stem}.gguf", seed=42)
+    kv = {k: v for k, _, _, v in spec.metadata}
+    for b in range(1, spec.block_count):
+        split = [(0, b), (b, spec.block_count)]
+        try:
+            layer_rules.check_split(kv, spec.architecture, split)
+        except ConfigError:
+            continue  # refused before llama.cpp sees it: test_layer_rules pins why
+        report = verify(model, split, tokens=6)
+        assert report.exact, f"{stem} split at {b}"
+
+
+def test_a_fixture_is_the_same_file_every_time_and_describes_back_to_its_description(tmp_path):
+    spec = SPECS["llama-dense"]
+    a = synthetic.write_model(spec, tmp_path / "a.gguf", seed=42)
+    b = synthetic.write_model(spec, tmp_path / "b.gguf", seed=42)
+    assert a.read_bytes() == b.read_bytes()
+    again = synthetic.describe(a)
+    assert again.tensors == spec.tensors
+    assert {k: v for k, _, _, v in again.metadata} == {k: v for k, _, _, v in spec.metadata}
+    assert spec.block_count >= 6
