@@ -40,8 +40,10 @@ from skippy_stage.model import layer_rules, synthetic  # noqa: E402
 from skippy_stage.model.verify import verify  # noqa: E402
 
 DESCRIPTION = ROOT / "tests" / "fixtures" / "archs.jsonl.gz"
+UNBUILT = ROOT / "tests" / "fixtures" / "archs-unbuilt.json"  # architectures the C++ test cannot build
 PROOFS = ROOT / "skippy_stage" / "model" / "proofs.py"
 SEED = 42
+PROVE_TIMEOUT_S = 600
 MIN_LAYERS = 6
 DEEPEN_ANCHOR = "    uint32_t n_head_kv = n_head;\n"
 # Hybrids: the 2-layer test marks layer 1 recurrent; deepened, every odd layer is, so a split
@@ -181,8 +183,11 @@ def run_proofs(specs: dict[str, synthetic.ModelSpec], only: str | None) -> list[
             if only and not re.search(only, stem):
                 continue
             # One process per fixture: an architecture llama.cpp aborts on must not end the run.
-            proc = subprocess.run([sys.executable, __file__, "--prove-one", stem, "--scratch", scratch],
-                                  capture_output=True, text=True)
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--prove-one", stem, "--scratch", scratch],
+                                      capture_output=True, text=True, timeout=PROVE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc = subprocess.CompletedProcess([], -1, "", f"no verdict within {PROVE_TIMEOUT_S} s")
             if proc.returncode == 0 and proc.stdout.strip():
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
             else:
@@ -197,18 +202,51 @@ def run_proofs(specs: dict[str, synthetic.ModelSpec], only: str | None) -> list[
     return rows
 
 
-def real_model_rows() -> list[dict[str, object]]:
+REAL_MODELS = {"llama": [(0, 10), (10, 11), (11, 30)], "gemma3": [(0, 5), (5, 11), (11, 18)]}
+
+
+def real_model_row(arch: str) -> dict[str, object]:
     from skippy_stage.model.packaged import gemma3_path, smollm2_path
 
+    path = Path(smollm2_path() if arch == "llama" else gemma3_path())
+    report = verify(path, REAL_MODELS[arch], tokens=8)
+    return {"architecture": arch, "fixture": path.name, "moe": False, "layers": report.block_count,
+            "split": report.split, "exact": report.exact,
+            "max_abs_diff": max([b.max_abs_diff for b in report.boundaries] + [report.logits_max_abs_diff])}
+
+
+def real_model_rows() -> list[dict[str, object]]:
+    """The packaged real models, each proven in a process of its own like the fixtures."""
     rows = []
-    for arch, find, split in (("llama", smollm2_path, [(0, 10), (10, 11), (11, 30)]),
-                              ("gemma3", gemma3_path, [(0, 5), (5, 11), (11, 18)])):
-        path = Path(find())
-        report = verify(path, split, tokens=8)
-        rows.append({"architecture": arch, "fixture": path.name, "moe": False, "layers": report.block_count,
-                     "split": report.split, "exact": report.exact,
-                     "max_abs_diff": max([b.max_abs_diff for b in report.boundaries] + [report.logits_max_abs_diff])})
+    for arch in REAL_MODELS:
+        proc = subprocess.run([sys.executable, __file__, "--prove-real", arch], capture_output=True, text=True,
+                              timeout=PROVE_TIMEOUT_S)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            raise SystemExit(f"the real {arch} model could not be proven: {proc.stderr[-2000:]}")
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return rows
+
+
+def unbuilt_rows(unbuilt: dict[str, str]) -> list[dict[str, object]]:
+    """Architectures test-llama-archs cannot build: refused, with its error, not silently absent."""
+    return [{"architecture": arch, "fixture": f"{arch} (not built)", "moe": False, "layers": 0, "split": "–",
+             "max_abs_diff": None, "exact": False, "reason": f"test-llama-archs cannot build a fixture: {error}"}
+            for arch, error in sorted(unbuilt.items())]
+
+
+def with_variants(specs: list[synthetic.ModelSpec]) -> list[synthetic.ModelSpec]:
+    """Fixtures the test does not write but real models have: Qwen3-VL's deepstack layers (its
+    text models carry ``n_deepstack_layers = 3``, which widens the input llama.cpp expects)."""
+    out = list(specs)
+    stems = {s.stem for s in specs}
+    for s in specs:
+        key = f"{s.architecture}.n_deepstack_layers"
+        if (s.architecture in ("qwen3vl", "qwen3vlmoe") and "deepstack" not in s.stem
+                and any(k == key for k, *_ in s.metadata) and s.stem.replace("-", "-deepstack-", 1) not in stems):
+            metadata = tuple((k, t, sub, 3 if k == key else v) for k, t, sub, v in s.metadata)
+            out.append(synthetic.ModelSpec(s.stem.replace("-", "-deepstack-", 1), s.architecture, s.moe,
+                                           metadata, s.tensors))
+    return out
 
 
 def write_table(rows: list[dict[str, object]]) -> None:
@@ -256,9 +294,13 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "skippy-llama-cpp")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--prove-one", help=argparse.SUPPRESS)
+    parser.add_argument("--prove-real", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.prove_real:
+        print(json.dumps(real_model_row(args.prove_real)))
+        return 0
     if args.prove_one:
         spec = synthetic.load_specs(DESCRIPTION)[args.prove_one]
         print(json.dumps(prove(spec, args.scratch)))
@@ -268,7 +310,8 @@ def main() -> int:
         src = fetch_llama_cpp(args.work, args.sdist)
         binary = build(src, args.jobs)
         files, unbuilt = save_fixtures(binary, src, args.work / "fixtures")
-        synthetic.dump_specs(describe_all(files), DESCRIPTION)
+        synthetic.dump_specs(with_variants(describe_all(files)), DESCRIPTION)
+        UNBUILT.write_text(json.dumps(unbuilt, indent=1, sort_keys=True) + "\n")
         print(f"described {len(files)} fixtures into {DESCRIPTION} ({DESCRIPTION.stat().st_size // 1024} KiB)")
     specs = synthetic.load_specs(DESCRIPTION)
     rows = run_proofs(specs, args.only)
@@ -278,7 +321,8 @@ def main() -> int:
         kept = [r for v in proofs.PROOFS.values() for r in v if not re.search(args.only, str(r["fixture"]))
                 and str(r["fixture"]) in specs]
         rows = kept + rows
-    rows = rows + real_model_rows()
+    unbuilt = json.loads(UNBUILT.read_text()) if UNBUILT.exists() else {}
+    rows = rows + unbuilt_rows(unbuilt) + real_model_rows()
     write_table(rows)
     write_readme_table(rows)
     exact = sorted({str(r["architecture"]) for r in rows if r["exact"]})

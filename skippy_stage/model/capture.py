@@ -21,6 +21,7 @@ import llama_cpp
 import numpy as np
 import structlog
 
+from skippy_stage.errors import RuntimeFailure
 from skippy_stage.model import llama_ffi
 
 log = structlog.get_logger("skippy_stage.capture")
@@ -222,7 +223,9 @@ class LayerTap:
         """The rows seen since the last take, per layer, in compute order."""
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"layer tap failed: {error}")
+            for rows in self._rows.values():
+                rows.clear()
+            raise RuntimeFailure(f"layer tap failed: {error}")
         out = {il: np.concatenate(rows) if rows else np.zeros((0, self.width), np.float32)
                for il, rows in self._rows.items()}
         for rows in self._rows.values():

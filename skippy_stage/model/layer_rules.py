@@ -24,6 +24,7 @@ disproven by ``skippy-stage verify`` on the architecture fixtures:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,23 +33,31 @@ from skippy_stage.errors import ConfigError, UnsupportedModelError
 
 @dataclass(frozen=True)
 class SwaRule:
-    """llama.cpp's ``load_swa_pattern(ml, period, dense_first)`` for an architecture."""
+    """llama.cpp's ``load_swa_pattern(ml, period, dense_first)`` for an architecture: the pattern
+    it derives from the *renumbered* index unless the slice states the original one per layer."""
 
     period: int
     dense_first: bool = False
+    # llama.cpp turns sliding windows on without the ``sliding_window`` key (gemma2: 4096).
+    always_on: bool = False
     # A stage of sliding-window layers alone crashes llama.cpp (dots3note: its indexer sits on
     # the full-attention layers, and a stage without one divides by zero).
     needs_full: bool = False
 
-    def layers(self, n: int, period: int | None = None) -> list[bool]:
+    def layers(self, n: int, period: int | None = None, trunk: int | None = None) -> list[bool]:
+        """Per layer, sliding-window or not, as ``set_swa_pattern`` computes it (MTP layers past
+        ``trunk`` never are)."""
         p = self.period if period is None else period
+        trunk = n if trunk is None else trunk
         if self.dense_first:
-            return [p == 0 or il % p != 0 for il in range(n)]
-        return [p == 0 or il % p < p - 1 for il in range(n)]
+            return [il < trunk and (p == 0 or il % p != 0) for il in range(n)]
+        return [il < trunk and (p == 0 or il % p < p - 1) for il in range(n)]
 
 
 @dataclass(frozen=True)
 class ArchRule:
+    """Everything slicing must know about one architecture beyond its per-layer arrays."""
+
     swa: SwaRule | None = None
     # ``full_attention_interval`` default when the file has no ``attention.recurrent_layers``.
     recurrent_interval: int | None = None
@@ -58,8 +67,8 @@ class ArchRule:
     boundary_period_key: str | None = None
     # Applied to the stage's input whether tokens or hidden states: 1.0 after stage 0.
     input_scale_key: str | None = None
-    # Defaults llama.cpp computes from the block count: written with the original's value.
-    pinned: dict[str, Any] = field(default_factory=dict)
+    # Defaults llama.cpp computes from the (trunk) block count: written with the original's value.
+    pinned: dict[str, Callable[[int], float]] = field(default_factory=dict)
     # The graph loads ``output.weight`` even where it stops before it: keep it in every slice.
     needs_output: bool = False
     # A stage may not hold exactly this many layers (smallthinker applies RoPE to every layer when
@@ -67,6 +76,8 @@ class ArchRule:
     forbidden_stage_layers: int | None = None
     # Block counts at which llama.cpp picks a different graph, and why a slice cannot keep it.
     refused_block_counts: dict[int, str] = field(default_factory=dict)
+    # From this block count on, llama.cpp builds a different graph (command-r: q/k norms).
+    refused_from_block_count: tuple[int, str] | None = None
 
 
 _OUTPUT_REQUIRED = (
@@ -76,7 +87,7 @@ _OUTPUT_REQUIRED = (
 ).split()
 
 _RULES: dict[str, ArchRule] = {
-    "gemma2": ArchRule(swa=SwaRule(2), refused_block_counts={
+    "gemma2": ArchRule(swa=SwaRule(2, always_on=True), refused_block_counts={
         46: "Gemma-2 27B: llama.cpp picks its attention scale from block_count == 46, which a slice cannot keep"}),
     "gemma3": ArchRule(swa=SwaRule(6), refused_block_counts={
         62: "Gemma-3 27B: llama.cpp picks its attention scale from block_count == 62, which a slice cannot keep"}),
@@ -110,10 +121,9 @@ _RULES: dict[str, ArchRule] = {
     "granitehybrid": ArchRule(input_scale_key="embedding_scale"),
     "granite_swa": ArchRule(swa=SwaRule(0), input_scale_key="embedding_scale"),
     "grok": ArchRule(input_scale_key="embedding_scale"),
-    "minicpm": ArchRule(input_scale_key="embedding_scale", pinned={"residual_scale": "1.4/sqrt(block_count)"}),
-    "command-r": ArchRule(refused_block_counts={
-        n: "Command-R+: llama.cpp loads q/k norms only when block_count >= 64, which a slice cannot keep"
-        for n in (64, 80, 96, 128)}),
+    "minicpm": ArchRule(input_scale_key="embedding_scale", pinned={"residual_scale": lambda n: 1.4 / math.sqrt(n)}),
+    "command-r": ArchRule(refused_from_block_count=(
+        64, "Command-R+: llama.cpp loads q/k norms only when block_count >= 64, which a slice cannot keep")),
 }
 
 # What no metadata can carry across a stage boundary on stock llama.cpp.
@@ -137,6 +147,8 @@ STRUCTURAL_REFUSALS: dict[str, str] = {
     "glm4moe": "llama.cpp's graph aborts (GGML_ABORT) on hidden-state input unless M-RoPE is used",
     "graniteswitch": "llama.cpp's graph asserts token input (GGML_ASSERT ubatch.token)",
     "cogvlm": "the graph picks the vision-expert weights whenever the input is not token ids",
+    **{a: "a non-causal diffusion model with no KV memory: a session cannot carry its context from step to step"
+       for a in ("dream", "llada", "llada-moe", "rnd1")},
     "hrm_text": "its layer stacks are looped (the same blocks run several times per token)",
     "nanbeige": "its physical layers are looped several times per token",
     "t5": "encoder-decoder: the relative-position bias of block 0 serves every layer",
@@ -169,6 +181,7 @@ UNGUARDED_INPUT: dict[str, str] = {
 
 
 def rule_for(arch: str) -> ArchRule:
+    """The architecture's rule (the empty rule: nothing index-dependent found in its source)."""
     rule = _RULES.get(arch, ArchRule())
     if arch in _OUTPUT_REQUIRED and not rule.needs_output:
         rule = ArchRule(**{**rule.__dict__, "needs_output": True})
@@ -176,6 +189,7 @@ def rule_for(arch: str) -> ArchRule:
 
 
 def refuse_structurally(arch: str) -> None:
+    """Raise UnsupportedModelError, with the reason, for an architecture no slice can run."""
     reason = STRUCTURAL_REFUSALS.get(arch)
     if reason is not None:
         raise UnsupportedModelError(f"architecture {arch!r} is refused: {reason}")
@@ -198,6 +212,8 @@ def slice_overrides(kv: dict[str, object], arch: str, start: int, end: int, fina
     where = f"layers {start}:{end} of this {arch} model"
     if n in rule.refused_block_counts:
         raise UnsupportedModelError(f"architecture {arch!r} with {n} blocks is refused: {rule.refused_block_counts[n]}")
+    if rule.refused_from_block_count is not None and n >= rule.refused_from_block_count[0]:
+        raise UnsupportedModelError(f"architecture {arch!r} with {n} blocks is refused: {rule.refused_from_block_count[1]}")
     out: dict[str, tuple[str, Any]] = {}
 
     period = rule.boundary_period
@@ -225,6 +241,11 @@ def slice_overrides(kv: dict[str, object], arch: str, start: int, end: int, fina
                               f"in the final stage, with at least one trunk layer (start below {trunk})")
 
     heads = kv.get(f"{arch}.attention.head_count")
+    if isinstance(heads, tuple) and heads[start] == 0 and any(heads[start:end]):
+        # llama.cpp sizes every head from the slice's first layer (n_embd / head_count[0], and reads
+        # key_length only when that count is not 0): a first layer without heads breaks the rest.
+        raise ConfigError(f"{where}: layer {start} has no attention heads, and llama.cpp sizes the stage's "
+                          f"attention heads from its first layer: start the stage on a layer with heads")
     if isinstance(heads, tuple) and heads[start] != heads[0] and heads[0]:
         # llama.cpp sizes a head from n_embd / head_count[0] unless key_length says: keep the original's.
         n_embd = int(kv[f"{arch}.embedding_length"])  # type: ignore[arg-type]
@@ -236,8 +257,8 @@ def slice_overrides(kv: dict[str, object], arch: str, start: int, end: int, fina
     if dense is not None:
         out[f"{arch}.leading_dense_block_count"] = ("uint32", max(0, dense - start))
 
-    if rule.swa is not None and _has_swa(kv, arch):
-        pattern = _swa_pattern(kv, arch, rule.swa, n)
+    if rule.swa is not None and (rule.swa.always_on or _has_swa(kv, arch)):
+        pattern = _swa_pattern(kv, arch, rule.swa, n, n - nextn)
         mine = pattern[start:end]
         if not any(mine):
             raise ConfigError(f"{where} are all full-attention layers; llama.cpp aborts on a sliding-window model "
@@ -259,18 +280,23 @@ def slice_overrides(kv: dict[str, object], arch: str, start: int, end: int, fina
         key = f"{arch}.attention.recurrent_layers"
         out[key] = ("bools", [k == "recurrent" for k in _recurrent_by_interval(kv, arch, rule, n, nextn)[start:end]])
 
+    if start > 0 and _scalar(kv, f"{arch}.n_deepstack_layers"):
+        # Deepstack layers add vision features to the first layers' input (zeros for text) and widen
+        # the input rows llama.cpp expects; a later stage takes plain hidden states.
+        out[f"{arch}.n_deepstack_layers"] = ("uint32", 0)
     if rule.input_scale_key is not None and start > 0:
         out[f"{arch}.{rule.input_scale_key}"] = ("float32", 1.0)
     for key, default in rule.pinned.items():
         full = f"{arch}.{key}"
         if full not in kv:
-            assert default == "1.4/sqrt(block_count)"
-            out[full] = ("float32", 1.4 / math.sqrt(n - nextn))
+            out[full] = ("float32", default(n - nextn))
     return out
 
 
 def _recurrent_by_interval(kv: dict[str, object], arch: str, rule: ArchRule, n: int, nextn: int) -> list[str]:
     value = kv.get(f"{arch}.attention.recurrent_layers")
+    if value is not None and not isinstance(value, tuple):
+        value = (bool(value),) * n  # get_key_or_arr: a scalar stands for every layer
     if not isinstance(value, tuple):
         interval = _scalar(kv, f"{arch}.full_attention_interval") or rule.recurrent_interval or 1
         value = tuple(i < n - nextn and (i + 1) % interval != 0 for i in range(n))
@@ -296,7 +322,8 @@ def _layer_kinds(kv: dict[str, object], arch: str, rule: ArchRule, n: int, nextn
 
 
 def check_split(kv: dict[str, object], arch: str, ranges: list[tuple[int, int]]) -> None:
-    """Every range of a split sliceable (raises ConfigError / UnsupportedModelError otherwise)."""
+    """Refuse a split any of whose ranges cannot be sliced (ConfigError / UnsupportedModelError): the
+    fixture script and tests ask before llama.cpp sees a split it could abort on."""
     n = int(kv[f"{arch}.block_count"])  # type: ignore[arg-type]
     for start, end in ranges:
         if not (start == 0 and end == n):
@@ -304,14 +331,15 @@ def check_split(kv: dict[str, object], arch: str, ranges: list[tuple[int, int]])
 
 
 def _has_swa(kv: dict[str, object], arch: str) -> bool:
+    """Whether the file turns sliding-window attention on (a window of some layer > 0)."""
     window = kv.get(f"{arch}.attention.sliding_window")
     if isinstance(window, tuple):
         return any(int(w) > 0 for w in window)
     return window is not None and int(window) > 0  # type: ignore[arg-type]
 
 
-def _swa_pattern(kv: dict[str, object], arch: str, swa: SwaRule, n: int) -> list[bool]:
+def _swa_pattern(kv: dict[str, object], arch: str, swa: SwaRule, n: int, trunk: int) -> list[bool]:
     value = kv.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(value, tuple):
         return [bool(v) for v in value]
-    return swa.layers(n, None if value is None else int(value))  # type: ignore[arg-type]
+    return swa.layers(n, None if value is None else int(value), trunk)  # type: ignore[arg-type]

@@ -115,6 +115,11 @@ class StageRuntime:
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
+        n_embd_inp = int(llama_cpp.llama_model_n_embd_inp(self._model))
+        if not config.include_embeddings and n_embd_inp != self.n_embd:
+            # llama.cpp would read hidden-state rows n_embd_inp wide from our n_embd-wide batch.
+            raise ConfigError(f"stage {config.stage_id}: stage file {path} expects input rows {n_embd_inp} wide, "
+                              f"but hidden states are n_embd={self.n_embd} wide")
         if self.n_layers != config.n_layers:
             raise ConfigError(
                 f"stage {config.stage_id}: stage file {path} has {self.n_layers} layers, "
@@ -131,6 +136,9 @@ class StageRuntime:
             self.log.warning("context capped by host memory", reason=self.context_size.reason)
         self._ctx = self._new_context(self._capture or self._tap)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
+        if not self._mem:
+            raise ConfigError(f"stage {config.stage_id}: {path} runs without KV memory (a non-causal model): "
+                              f"a session could not carry its context from one step to the next")
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.cells_per_lane = int(llama_cpp.llama_n_ctx_seq(self._ctx))
         self._equal_split = not config.kv_unified

@@ -39,7 +39,7 @@ from skippy_stage.errors import ConfigError, SliceError, UnsupportedModelError
 from skippy_stage.model import layer_rules, proofs
 
 MANIFEST_SUFFIX = ".manifest.json"
-SLICE_FORMAT_VERSION = 2
+SLICE_FORMAT_VERSION = 3
 
 
 def accepted_architectures() -> dict[str, list[dict[str, object]]]:

@@ -7,8 +7,11 @@ kernels see the same shapes on both sides; the decode feeds the reference's gree
 to both (teacher forcing), so every position compares like with like even after a miss.
 
 The reference also taps its residual stream after each boundary layer, so a report says
-at which boundary a split stops being exact, not only that the logits differ. A split is
-exact when every difference is 0.0: anything else is a different model.
+at which boundary a split stops being exact, not only that the logits differ. Logits are
+compared where the pipeline produces them: the last row of each step (the prefill's last
+position, then every decoded one). A split is exact when every difference is 0.0 and the
+reference computed finite values (NaN on both sides proves nothing): anything else is a
+different model, or no proof.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from skippy_stage.errors import ConfigError
 from skippy_stage.model.chain import Chain, Step, chain_configs
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
-from skippy_stage.model.slicing import proving, read_model_info
+from skippy_stage.model.slicing import ModelInfo, proving, read_model_info
 
 SESSION = "verify"
 
@@ -46,11 +49,12 @@ class VerifyReport:
     logits_max_abs_diff: float
     greedy_agree: int
     greedy_total: int
+    reference_finite: bool = True
 
     @property
     def exact(self) -> bool:
-        return (self.logits_max_abs_diff == 0.0 and all(b.max_abs_diff == 0.0 for b in self.boundaries)
-                and self.greedy_agree == self.greedy_total)
+        return (self.reference_finite and self.logits_max_abs_diff == 0.0
+                and all(b.max_abs_diff == 0.0 for b in self.boundaries) and self.greedy_agree == self.greedy_total)
 
     @property
     def split(self) -> str:
@@ -124,18 +128,20 @@ def verify(model: str | Path, ranges: Sequence[tuple[int, int]], *, tokens: int 
             reference.close()
 
 
-def _compare(info, ranges, reference: StageRuntime, chain: Chain, boundary_layers: list[int],
-             tokens: int, prefill: int, seed: int) -> VerifyReport:
+def _compare(info: ModelInfo, ranges: tuple[tuple[int, int], ...], reference: StageRuntime, chain: Chain,
+             boundary_layers: list[int], tokens: int, prefill: int, seed: int) -> VerifyReport:
     feed = prompt_tokens(reference.n_vocab, prefill, seed)
     start = 0
     hidden_diff = dict.fromkeys(boundary_layers, 0.0)
     logits_diff = 0.0
     agree = 0
     steps = 0
+    finite = True
     while start + len(feed) <= tokens:
         positions = np.arange(start, start + len(feed))
         (ref,) = reference.run_batch([BatchEntry(SESSION, positions, token_ids=feed, want_logits=True)])
         tapped = reference.take_taps()
+        finite = finite and bool(np.isfinite(ref.logits).all()) and all(np.isfinite(t).all() for t in tapped.values())
         trace: list = []
         (got,) = chain.step([Step(SESSION, start, feed, want_logits=True, sample=False)], trace)
         for layer, stage_results in zip(boundary_layers, trace):
@@ -150,7 +156,7 @@ def _compare(info, ranges, reference: StageRuntime, chain: Chain, boundary_layer
         model=str(info.path), architecture=info.architecture, block_count=info.block_count,
         layers=tuple(ranges), positions=start, prefill=prefill,
         boundaries=tuple(Boundary(b, hidden_diff[b]) for b in boundary_layers),
-        logits_max_abs_diff=logits_diff, greedy_agree=agree, greedy_total=steps,
+        logits_max_abs_diff=logits_diff, greedy_agree=agree, greedy_total=steps, reference_finite=finite,
     )
 
 
@@ -174,5 +180,7 @@ def format_report(r: VerifyReport) -> str:
         lines.append(f"  boundary at layer {b.layer}: max |hidden diff| = {b.max_abs_diff:.6g}")
     lines.append(f"  logits: max |diff| = {r.logits_max_abs_diff:.6g}")
     lines.append(f"  greedy agreement: {r.greedy_agree}/{r.greedy_total}")
+    if not r.reference_finite:
+        lines.append("  the unsplit model computes non-finite values here: nothing is proven")
     lines.append("  verdict: " + ("exact" if r.exact else "NOT exact: this split is a different model"))
     return "\n".join(lines)

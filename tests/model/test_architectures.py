@@ -9,6 +9,7 @@ unsplit model; the table in ``skippy_stage.model.proofs`` must say what these ru
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -76,6 +77,10 @@ def test_a_refused_fixture_is_still_not_exact_and_is_refused_with_its_reason(ste
         check_architecture(spec.architecture)
 
 
+def test_the_table_was_proven_on_the_pinned_llama_cpp():
+    assert proofs.LLAMA_CPP_PYTHON == importlib.metadata.version("llama-cpp-python")
+
+
 def test_an_architecture_no_proof_covers_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="'made-up-arch' is refused: no skippy-stage verify run"):
         check_architecture("made-up-arch")
@@ -117,6 +122,7 @@ def test_every_allowed_two_way_split_is_bit_exact(stem, tmp_path):
     spec = SPECS[stem]
     model = synthetic.write_model(spec, tmp_path / f"{stem}.gguf", seed=42)
     kv = {k: v for k, _, _, v in spec.metadata}
+    ran = 0
     for b in range(1, spec.block_count):
         split = [(0, b), (b, spec.block_count)]
         try:
@@ -125,6 +131,8 @@ def test_every_allowed_two_way_split_is_bit_exact(stem, tmp_path):
             continue  # refused before llama.cpp sees it: test_layer_rules pins why
         report = verify(model, split, tokens=6)
         assert report.exact, f"{stem} split at {b}"
+        ran += 1
+    assert ran > 0
 
 
 def test_a_fixture_is_the_same_file_every_time_and_describes_back_to_its_description(tmp_path):

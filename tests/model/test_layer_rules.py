@@ -69,11 +69,33 @@ def test_recurrent_layers_of_an_interval_hybrid_are_written_out():
     assert kind == "bools" and layers == [True, False, True, True]  # layer 3 is full attention
 
 
-def test_a_slice_starting_on_a_recurrent_layer_keeps_the_head_size_of_the_original():
+def test_a_stage_starting_on_a_layer_without_heads_is_refused():
+    """llama.cpp sizes every head of a stage from its first layer, and reads key_length only when
+    that layer has heads: such a stage would not load."""
     kv = header("jamba", 4, attention__head_count_kv=(2, 0, 2, 0), attention__head_count=(2, 0, 2, 0))
-    out = layer_rules.slice_overrides(kv, "jamba", 1, 4, True)
-    assert out["jamba.attention.key_length"] == ("uint32", 128)
-    assert out["jamba.attention.value_length"] == ("uint32", 128)
+    with pytest.raises(ConfigError, match="layer 1 has no attention heads.*start the stage on a layer with heads"):
+        layer_rules.slice_overrides(kv, "jamba", 1, 4, True)
+
+
+def test_a_slice_starting_on_a_layer_with_other_head_counts_keeps_the_head_size_of_the_original():
+    kv = header("deci", 3, attention__head_count=(4, 2, 4), attention__head_count_kv=(4, 2, 4))
+    out = layer_rules.slice_overrides(kv, "deci", 1, 3, True)
+    assert out["deci.attention.key_length"] == ("uint32", 64)
+    assert out["deci.attention.value_length"] == ("uint32", 64)
+
+
+def test_deepstack_inputs_stay_with_stage_0():
+    """Qwen3-VL's deepstack layers widen the input rows llama.cpp expects; a later stage takes
+    plain hidden states (the deepstack features of text are zeros)."""
+    kv = header("qwen3vl", 6, n_deepstack_layers=3)
+    assert "qwen3vl.n_deepstack_layers" not in layer_rules.slice_overrides(kv, "qwen3vl", 0, 2, False)
+    assert layer_rules.slice_overrides(kv, "qwen3vl", 2, 6, True)["qwen3vl.n_deepstack_layers"] == ("uint32", 0)
+
+
+def test_a_window_llama_cpp_turns_on_without_the_key_is_written_out():
+    kind, pattern = layer_rules.slice_overrides(header("gemma2", 6), "gemma2", 1, 3, False)[
+        "gemma2.attention.sliding_window_pattern"]
+    assert pattern == [False, True]  # gemma2: every other layer, from layer 0
 
 
 def test_boundaries_must_fall_on_a_period_llama_cpp_keys_on_the_layer_index():
@@ -96,6 +118,7 @@ def test_a_default_computed_from_the_block_count_is_pinned_to_the_original():
 
 @pytest.mark.parametrize("arch, reason", [
     ("glm4moe", "GGML_ABORT"), ("gemma3n", "altup"), ("deepseek4", "hyper-connections"), ("baichuan", "RoPE"),
+    ("llada", "no KV memory"),
 ])
 def test_an_architecture_no_metadata_can_split_is_refused_with_the_reason(arch, reason):
     with pytest.raises(UnsupportedModelError, match=f"architecture '{arch}' is refused: .*{reason}"):
@@ -105,3 +128,6 @@ def test_an_architecture_no_metadata_can_split_is_refused_with_the_reason(arch, 
 def test_a_model_size_llama_cpp_keys_a_different_graph_on_is_refused():
     with pytest.raises(UnsupportedModelError, match="'gemma3' with 62 blocks is refused: Gemma-3 27B"):
         layer_rules.slice_overrides(header("gemma3", 62), "gemma3", 0, 31, False)
+    with pytest.raises(UnsupportedModelError, match="'command-r' with 70 blocks is refused: Command-R"):
+        layer_rules.slice_overrides(header("command-r", 70), "command-r", 0, 35, False)
+    layer_rules.slice_overrides(header("command-r", 40), "command-r", 0, 20, False)
