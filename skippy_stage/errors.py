@@ -13,6 +13,7 @@ client may see::
     ├── InvalidRequestError       a client field is wrong        -> INVALID_ARGUMENT
     │   └── InvalidFieldError     ... naming it for OpenAI's ``param``
     ├── SessionStateError         request out of session order   -> FAILED_PRECONDITION
+    │   └── PrefixMissError       the named resident prefix is gone (the head re-prefills)
     ├── UnknownSessionError       session not on this stage      -> NOT_FOUND
     ├── CapacityError             no lane or KV cells left       -> RESOURCE_EXHAUSTED
     ├── StageUnavailableError     this stage is loading/draining -> UNAVAILABLE
@@ -60,6 +61,27 @@ class InvalidFieldError(InvalidRequestError):
 
 class SessionStateError(SkippyError):
     """A request is well-formed but does not fit the session's current state."""
+
+
+class PrefixMissError(SessionStateError):
+    """A new session named a resident prefix this stage no longer holds (evicted, restarted).
+
+    Its messages start with ``PREFIX_MISS`` so the head recognises one from any stage below,
+    where it arrives as a FAILED_PRECONDITION status: a miss costs a full prefill, never text.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if message.startswith(PREFIX_MISS) else f"{PREFIX_MISS} {message}")
+
+
+PREFIX_MISS = "prefix miss:"
+
+
+def is_prefix_miss(exc: BaseException) -> bool:
+    """A prefix miss raised here, or relayed from a stage below."""
+    if isinstance(exc, PrefixMissError):
+        return True
+    return isinstance(exc, DownstreamError) and exc.code_name == "FAILED_PRECONDITION" and PREFIX_MISS in str(exc)
 
 
 class UnknownSessionError(SkippyError):

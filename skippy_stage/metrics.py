@@ -43,6 +43,13 @@ class StageMetrics:
         self.returns = Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
                                "(direct: straight from the final stage; relay: back up through the stages) or, at "
                                "the final stage, how they left (sent: straight to the head; relayed: up the edge)", ["path"], registry=r).labels  # type: ignore[assignment]
+        self.prefix_cache_hits = Counter("skippy_prefix_cache_hits", "New sessions at the head that started "
+                                         "from a resident prefix", registry=r)
+        self.prefix_cache_misses = Counter("skippy_prefix_cache_misses", "New sessions at the head that prefilled "
+                                           "their whole prompt (no resident prefix shared a token, or a stage "
+                                           "had lost it)", registry=r)
+        self.prefix_cache_tokens_reused = Counter("skippy_prefix_cache_tokens_reused", "Prompt tokens whose KV came "
+                                                  "from a resident prefix instead of a prefill", registry=r)
         self._gauges = {
             name: Gauge(f"skippy_{name}", doc, registry=r)
             for name, doc in (
@@ -51,6 +58,7 @@ class StageMetrics:
                 ("kv_cells_used", "KV cells held by sessions"),
                 ("kv_cells_total", "KV cells in the pool admission counts against"),
                 ("queue_depth", "Sessions waiting for admission at the head"),
+                ("resident_prefixes", "Finished sessions' KV kept as resident prefixes"),
             )
         }
         self.info = Gauge("skippy_stage_info", "Identity of this stage", ["stage_id"], registry=r).labels(**s)

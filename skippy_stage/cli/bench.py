@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import structlog
 
@@ -38,6 +39,11 @@ AGG_TOKENS = 8 if _QUICK else 64
 DECODE_ROUNDS = 1 if _QUICK else 3
 PREFILL_TOKENS = 64 if _QUICK else 512
 CONCURRENCY = (1, 4, 8)
+# A 4-turn chat over a long system message: each turn's prompt holds every turn before it.
+CHAT_SYSTEM = ("You are a careful assistant for a shipping company. " * (6 if _QUICK else 40)).strip()
+CHAT_TURNS = ["Where is my parcel?", "It was sent on Monday from Berlin.", "How long does it usually take?",
+              "Thank you, and can I change the address?"]
+CHAT_TOKENS = 8 if _QUICK else 24
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
 
@@ -118,13 +124,16 @@ def stage_threads(n_stages: int) -> int:
 
 class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
-                 transport: str | None = None, return_path: str = "direct") -> None:
+                 transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False) -> None:
+        """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
+        again and again, which resident prefixes would answer without a prefill."""
         threads = stage_threads(len(ranges))
         ports = free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
             "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
             **({"hop_transport": transport} if transport else {}),
+            **({} if prefix_cache else {"cache_idle_slots": 0}),
         }, return_path=return_path)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
@@ -138,6 +147,25 @@ class _Pipeline:
 
     def stop(self) -> None:
         self.local.stop()
+
+    def chat_ttft(self, turns: list[str], max_tokens: int) -> list[float]:
+        """Seconds to the first piece of text of each turn of one conversation (gRPC Generate)."""
+        messages: list[pb.ChatMessage] = [pb.ChatMessage(role="system", content=CHAT_SYSTEM)]
+        ttft = []
+        with grpc.insecure_channel(self.endpoint) as channel:
+            stub = pb_grpc.StageServiceStub(channel)
+            for question in turns:
+                messages.append(pb.ChatMessage(role="user", content=question))
+                request = pb.GenerateRequest(max_tokens=max_tokens, messages=messages,
+                                             sampling=pb.SamplingParams(temperature=0.0))
+                started, first, reply = time.perf_counter(), None, []
+                for msg in stub.Generate(request, timeout=300):
+                    if msg.text:
+                        first = first or time.perf_counter() - started
+                        reply.append(msg.text)
+                ttft.append(first if first is not None else time.perf_counter() - started)
+                messages.append(pb.ChatMessage(role="assistant", content="".join(reply)))
+        return ttft
 
 
 class _Echo(pb_grpc.StageServiceServicer):
@@ -409,6 +437,7 @@ def run(json_path: str | None = None) -> dict[str, object]:
         aggregate: dict[str, dict[str, float]] = {
             name: {str(c): median(runs, "aggregate", str(c)) for c in CONCURRENCY}
             for name, runs in (("single_process", single_runs), ("pipeline", pipeline_runs))}
+        report["chat_ttft_s"] = _chat_ttft(model, Path(tmp), cache_dir)
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
         report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
                                         "tcp_frame": report["hop_floor_us"]["tcp_frame_round_trip_us"],
@@ -451,6 +480,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
             "aggregate_8_vs_single_batched_8": aggregate["pipeline"]["8"] / aggregate["single_process"]["8"],
             "aggregate_8_vs_pipeline_1": aggregate["pipeline"]["8"] / aggregate["pipeline"]["1"],
             "prefill_512": prefill["pipeline"] / prefill["single_process"],
+            "chat_turn4_ttft_without_vs_with_prefix_cache": (report["chat_ttft_s"]["without_prefix_cache"][-1]
+                                                             / report["chat_ttft_s"]["with_prefix_cache"][-1]),
         }
         report["conditions"] = {"cores": cores, "model": model.name, "decode_tokens": DECODE_TOKENS,
                                 "aggregate_tokens_per_session": AGG_TOKENS, "prefill_tokens": PREFILL_TOKENS,
@@ -459,6 +490,23 @@ def run(json_path: str | None = None) -> dict[str, object]:
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[float]]:
+    """The same 4-turn chat on 3 stages with resident prefixes and without: time to first token
+    per turn (median of the rounds)."""
+    out: dict[str, list[list[float]]] = {"with_prefix_cache": [], "without_prefix_cache": []}
+    for name, enabled in (("with_prefix_cache", True), ("without_prefix_cache", False)):
+        (workdir / f"chat-{name}").mkdir()
+        pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], workdir / f"chat-{name}", cache_dir,
+                             prefix_cache=enabled)
+        try:
+            pipeline.chat_ttft(["Hello."], 1)  # warm
+            for _ in range(DECODE_ROUNDS):
+                out[name].append(pipeline.chat_ttft(CHAT_TURNS, CHAT_TOKENS))
+        finally:
+            pipeline.stop()
+    return {name: [float(np.median(turn)) for turn in zip(*runs)] for name, runs in out.items()}
 
 
 def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) -> dict[str, dict]:
@@ -545,6 +593,12 @@ def format_table(report: dict[str, object]) -> str:
     p = r["prefill_tokens_per_s"]
     lines.append(f"{'prefill tok/s, 512-token prompt':44} {p['pipeline']:12.1f} {p['single_process']:12.1f} "
                  f"{ratios['prefill_512']:8.2f} {'>=0.95':>8}")
+    chat = r["chat_ttft_s"]
+    lines.append(f"{'chat turn 4 TTFT s, no prefix cache / cache':44} {chat['without_prefix_cache'][-1]:12.3f} "
+                 f"{chat['with_prefix_cache'][-1]:12.3f} {ratios['chat_turn4_ttft_without_vs_with_prefix_cache']:8.2f} "
+                 f"{'>=3':>8}")
+    lines.append("chat TTFT s per turn, with prefix cache: " + ", ".join(f"{t:.3f}" for t in chat["with_prefix_cache"])
+                 + "; without: " + ", ".join(f"{t:.3f}" for t in chat["without_prefix_cache"]))
     lines.append(f"{'hop latency (us, send -> next stage computes)':44} {r['hop_latency_us']:12.0f} "
                  f"{'':>12} {'':>8} {'<=200':>8}")
     for transport, t in r["transport_comparison_3_stage"].items():

@@ -19,7 +19,9 @@ import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from skippy_stage.errors import InvalidRequestError
+from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
+from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.stage import Stage
 
@@ -56,6 +58,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     session_id: str
+    cached_tokens: int = 0  # prompt tokens whose KV came from a resident prefix
 
 
 class StopScanner:
@@ -119,6 +122,7 @@ class Generator:
             drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.drop_s),
             is_eog=runtime.tokenizer.is_eog,
             stage_id=cfg.stage_id,
+            **self._prefix_cache(stage, runtime),
         )
         template = runtime.tokenizer.metadata("tokenizer.chat_template")
         self._chat = (
@@ -129,6 +133,27 @@ class Generator:
             )
             if template
             else None
+        )
+
+    @staticmethod
+    def _prefix_cache(stage: Stage, runtime: StageRuntime) -> dict[str, object]:
+        """Resident prefixes, at most ``cache_idle_slots`` (unset: one per lane); none for models
+        whose state cannot be cut back to a prefix (recurrent) or when the slots are 0."""
+        slots = stage.config.lane_count if stage.config.cache_idle_slots is None else stage.config.cache_idle_slots
+        if not runtime.keeps_prefixes or slots <= 0:
+            return {}
+        metrics = stage.metrics
+
+        def on_prefix(kind: str, tokens: int) -> None:
+            if kind == "hit":
+                metrics.prefix_cache_hits.inc()
+                metrics.prefix_cache_tokens_reused.inc(tokens)
+            else:
+                metrics.prefix_cache_misses.inc()
+
+        return dict(
+            retire=lambda session_id: stage.drop_session(session_id, stage.timeouts.drop_s, keep_prefix=True),
+            prefixes=PrefixCache(slots), on_prefix=on_prefix,
         )
 
     def prompt_tokens(self, spec: GenerateSpec) -> list[int]:
@@ -192,7 +217,7 @@ class Generator:
                     tail += scanner.flush()  # no stop string can complete any more
                 if tail or pending_ids:
                     yield Piece(tail, pending_ids)
-            yield Finish(reason, len(prompt), completion, task.session_id)
+            yield Finish(reason, len(prompt), completion, task.session_id, task.cached_tokens)
         finally:
             task.cancel()  # the scheduler frees the session on every stage
 

@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from skippy_stage.errors import CapacityError, DownstreamError, RuntimeFailure, SkippyError, UnknownSessionError
+from skippy_stage.errors import (
+    CapacityError,
+    DownstreamError,
+    RuntimeFailure,
+    SkippyError,
+    UnknownSessionError,
+    is_prefix_miss,
+)
+from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Outputs, Step, StepEntry
 
@@ -71,6 +79,11 @@ class Task:
     # Session ids this task used before a recovery; some stage below may still hold them.
     stale_sessions: list[str] = field(default_factory=list)
     recoveries: int = 0
+    # A resident prefix claimed at admission: the first prefill entry names it, and the prompt's
+    # first ``cached_tokens`` come from its KV. Cleared once a step carried it through the chain.
+    prefix_id: str | None = None
+    cached_tokens: int = 0
+    failed: bool = False  # its session's state is uncertain: freed, never kept as a prefix
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -111,6 +124,7 @@ class SchedulerLimits:
 
 StepFn = Callable[[Step, float], Outputs]
 DropFn = Callable[[str], None]
+PrefixEvent = Callable[[str, int], None]  # ("hit", tokens reused) or ("miss", 0)
 IsEog = Callable[[int], bool]
 
 
@@ -118,8 +132,16 @@ class Scheduler:
     """Runs tasks in shared batches on ``max_inflight`` worker threads."""
 
     def __init__(self, limits: SchedulerLimits, *, step: StepFn, drop: DropFn, is_eog: IsEog,
-                 chain_ready: Callable[[], bool] = lambda: True, stage_id: str = "head") -> None:
+                 chain_ready: Callable[[], bool] = lambda: True, stage_id: str = "head",
+                 retire: DropFn | None = None, prefixes: PrefixCache | None = None,
+                 on_prefix: PrefixEvent = lambda kind, tokens: None) -> None:
+        """``retire`` and ``prefixes`` turn the prefix cache on: a finished session is retired on
+        every stage (its KV kept under its id) instead of dropped, and a new one starts from the
+        resident prefix sharing most of its prompt."""
         self.limits = limits
+        self._retire = retire
+        self.prefixes = prefixes if retire is not None else None
+        self._on_prefix = on_prefix
         self._chain_ready = chain_ready
         self._step = step
         self._drop = drop
@@ -199,6 +221,16 @@ class Scheduler:
             self._reserved += reserve
             group.append(task)
             active += 1
+            self._claim_prefix(task)
+
+    def _claim_prefix(self, task: Task) -> None:
+        if self.prefixes is None or task.replay is not None or task.prefilled:
+            return
+        match = self.prefixes.claim(task.prompt)
+        if match is None:
+            self._on_prefix("miss", 0)
+            return
+        task.prefix_id, task.prefilled, task.cached_tokens = match.prefix_id, match.reuse, match.reuse
 
     def _release_locked(self, group: list[Task], task: Task) -> None:
         group.remove(task)
@@ -235,14 +267,42 @@ class Scheduler:
                     self.log.exception("scheduler step crashed", sessions=[t.session_id for t in batch])
                     failure = RuntimeFailure(f"the head's scheduler failed a step: {exc!r}")
                     for task in batch:
-                        task.events.put(Failed(failure))
-                        task.cancel()
+                        self._fail(task, failure)
 
     def _free(self, task: Task) -> None:
+        """Retire a cleanly finished session (its KV stays resident on every stage, its tokens
+        here), or drop it; then drop the prefixes the cache let go of."""
+        if task.prefix_id is not None:  # claimed but never carried down: no session holds it yet
+            self._drop_quietly(task.prefix_id)
+            task.prefix_id = None
+            self._drop_quietly(task.session_id)
+            return
+        fed = task.history if task.history else list(task.to_feed[: task.prefilled])
+        if self._retire is not None and self.prefixes is not None and not task.failed and fed \
+                and task.recovering is None and task.prefix_id is None:
+            try:
+                self._retire(task.session_id)
+            except SkippyError as exc:
+                self.log.info("session retire incomplete", session_id=task.session_id, error=str(exc))
+                self._drop_quietly(task.session_id)
+                return
+            for evicted in self.prefixes.add(task.session_id, fed):
+                self._drop_quietly(evicted)
+            return
+        self._drop_quietly(task.session_id)
+
+    def _drop_quietly(self, session_id: str) -> None:
         try:
-            self._drop(task.session_id)
+            self._drop(session_id)
+        except UnknownSessionError:
+            pass  # nothing held it (a stage evicted the prefix first, or it never got there)
         except SkippyError as exc:
-            self.log.info("session release incomplete", session_id=task.session_id, error=str(exc))
+            self.log.info("session release incomplete", session_id=session_id, error=str(exc))
+
+    def _fail(self, task: Task, error: SkippyError) -> None:
+        task.failed = True
+        task.events.put(Failed(error))
+        task.cancel()
 
     def _entries(self, batch: list[Task]) -> tuple[list[StepEntry], list[tuple[Task, int]]]:
         """Decode entries first (latency), then prompt chunks within the token budget."""
@@ -275,7 +335,7 @@ class Scheduler:
             last = start + n == len(feed) and task.last_token is None
             entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
                                      positions=range(start, start + n), token_ids=feed[start : start + n],
-                                     sample_last=last, sampling=task.sampling))
+                                     sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id))
             plan.append((task, n))
             budget -= n
         return entries, plan
@@ -307,8 +367,7 @@ class Scheduler:
                     except SkippyError:
                         pass  # part of the chain is still away; the idle TTL is the backstop
             elif now > (task.failing_since or now) + self.limits.recovery_wait_s:
-                task.events.put(Failed(task.recovering))
-                task.cancel()
+                self._fail(task, task.recovering)
         if not ready:
             time.sleep(0.05)
 
@@ -349,19 +408,29 @@ class Scheduler:
             # behind a direct return). Either way re-prefilling through the chain recovers them.
             recoverable = isinstance(exc, DownstreamError) and exc.code_name in ("UNAVAILABLE", "NOT_FOUND") \
                 and self.limits.recovery_wait_s > 0
-            self.log.warning("step failed", request_id=request.request_id, error=str(exc), recovering=recoverable,
-                             sessions=[t.session_id for t, _ in plan])
+            # A stage that lost a resident prefix: the stages above it ran the step, those below did
+            # not, so every session of the step prefills again from scratch, the lost prefix's too.
+            miss = is_prefix_miss(exc)
+            self.log.warning("step failed", request_id=request.request_id, error=str(exc),
+                             recovering=recoverable or miss, prefix_miss=miss, sessions=[t.session_id for t, _ in plan])
+            lost = []
             for task, _ in plan:
-                if recoverable:
+                if miss:
+                    if task.prefix_id is not None:
+                        self._on_prefix("miss", 0)
+                        lost.append(task.prefix_id)
+                    task.prefix_id, task.cached_tokens = None, 0
+                    task.recovering = exc
+                elif recoverable:
                     task.recovering = exc
                     if task.failing_since is None:
                         task.failing_since = time.monotonic()
                     if time.monotonic() > task.failing_since + self.limits.recovery_wait_s:
-                        task.events.put(Failed(exc))
-                        task.cancel()
+                        self._fail(task, exc)
                 else:
-                    task.events.put(Failed(exc))
-                    task.cancel()
+                    self._fail(task, exc)
+            for prefix_id in lost:
+                self._drop_quietly(prefix_id)  # stages below the miss may still hold it
             return
         self.flush_events()  # the previous step's tokens, if the step function did not already
         self.steps += 1
@@ -369,11 +438,13 @@ class Scheduler:
             exc = RuntimeFailure(f"stage {response.final_stage_id} answered {len(response.outputs)} outputs "
                                  f"for {len(plan)} entries")
             for task, _ in plan:
-                task.events.put(Failed(exc))
-                task.cancel()
+                self._fail(task, exc)
             return
         for (task, n_prefill), out in zip(plan, response.outputs):
             task.prefilled += n_prefill
+            if task.prefix_id is not None and n_prefill:
+                self._on_prefix("hit", task.cached_tokens)
+                task.prefix_id = None
             if out.token is None:
                 continue
             task.failing_since = None

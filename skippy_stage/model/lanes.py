@@ -6,6 +6,13 @@ it resets the lane's KV cells and returns the lane, warm, to an idle pool (bound
 fails is discarded: its index goes back to the free list marked dirty and is reset again
 before reuse, so "all execution lanes are busy" always means exactly that.
 
+A session may instead *retire*: its lane keeps its KV as a resident prefix under the
+session's id (at most ``cache_idle_slots`` of them, least recently used evicted first), and
+a later session that names the prefix takes the lane, keeping its first N tokens. Resident
+prefixes yield to live work: a new session that finds no idle or free lane, or a batch that
+finds the KV pool full, evicts the least recently used one (its reset runs under the lock,
+like a discarded lane's retry: rare, and one llama.cpp call).
+
 Admission is all-or-nothing per batch and happens before anything reaches llama.cpp: a
 session that would overflow its lane's KV cells or the pool is refused with
 :class:`CapacityError`. The bookkeeping is behind one lock, but a released lane's reset (the
@@ -20,11 +27,11 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from skippy_stage.errors import CapacityError, SessionStateError, UnknownSessionError
+from skippy_stage.errors import CapacityError, PrefixMissError, SessionStateError, UnknownSessionError
 
 
 @dataclass
@@ -37,11 +44,24 @@ class SessionLane:
 
 @dataclass(frozen=True)
 class Admission:
-    """One batch entry's claim: session, first position, number of new tokens."""
+    """One batch entry's claim: session, first position, number of new tokens.
+
+    A new session with ``prefix_id`` takes that resident prefix's lane and keeps its first
+    ``start_pos`` tokens (the rest are trimmed away).
+    """
 
     session_id: str
     start_pos: int
     n_tokens: int
+    prefix_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ResidentRow:
+    prefix_id: str
+    lane: int
+    n_tokens: int
+    age_s: float
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,7 @@ class LaneStats:
     kv_cells_per_lane: int
     discarded_lanes: int
     lanes: tuple[LaneRow, ...]
+    resident: tuple[ResidentRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,7 @@ class DropResult:
 
 
 ResetFn = Callable[[int], bool]
+TrimFn = Callable[[int, int], bool]  # (lane, keep): drop the lane's KV from position ``keep`` on
 
 
 class LaneTable:
@@ -93,10 +115,12 @@ class LaneTable:
         kv_pool_tokens: int,
         cache_idle_slots: int | None,
         reset: ResetFn,
+        trim: TrimFn | None = None,
         owner: str = "this stage",
         lane_limit_hint: str = "",
     ) -> None:
-        """``lane_limit_hint`` names the setting that raises ``cells_per_lane``, for refusals."""
+        """``lane_limit_hint`` names the setting that raises ``cells_per_lane``, for refusals.
+        Without ``trim`` no session retires: there is no way to reuse a prefix in part."""
         self.owner = owner
         self.lane_limit_hint = lane_limit_hint
         self.lane_count = lane_count
@@ -104,6 +128,8 @@ class LaneTable:
         self.kv_pool_tokens = kv_pool_tokens
         self.idle_bound = lane_count if cache_idle_slots is None else cache_idle_slots
         self._reset = reset
+        self._trim = trim
+        self._resident: OrderedDict[str, SessionLane] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionLane] = {}
         self._idle: deque[int] = deque()
@@ -135,6 +161,10 @@ class LaneTable:
                 rows[lane] = LaneRow(lane, "idle", None, 0)
             for lane in self._free:
                 rows[lane] = LaneRow(lane, "free", None, 0)
+            now = time.monotonic()
+            resident = tuple(ResidentRow(p, r.lane, r.n_tokens, now - r.last_used) for p, r in self._resident.items())
+            for r in resident:
+                rows[r.lane] = LaneRow(r.lane, "resident", r.prefix_id, r.n_tokens)
             tokens = [s.n_tokens for s in self._sessions.values()]
             return LaneStats(
                 lane_count=self.lane_count,
@@ -147,6 +177,7 @@ class LaneTable:
                 kv_cells_per_lane=self.cells_per_lane,
                 discarded_lanes=self._discarded,
                 lanes=tuple(rows[i] for i in sorted(rows)),
+                resident=resident,
             )
 
     # -- admission -------------------------------------------------------------------
@@ -163,10 +194,22 @@ class LaneTable:
             raise SessionStateError(f"session_id={duplicate!r} appears twice in one batch")
         with self._lock:
             new: list[Admission] = []
+            taken: set[str] = set()
             total_new = 0
             for a in admissions:
                 bound = self._sessions.get(a.session_id)
-                if bound is None:
+                if bound is None and a.prefix_id is not None:
+                    resident = self._resident.get(a.prefix_id)
+                    if resident is None or a.prefix_id in taken:
+                        raise PrefixMissError(f"prefix_id={a.prefix_id!r} is not resident on {self.owner} "
+                                              f"(evicted, or never kept here)")
+                    if a.start_pos > resident.n_tokens:
+                        raise PrefixMissError(f"prefix_id={a.prefix_id!r} holds {resident.n_tokens} tokens on "
+                                              f"{self.owner}; positions start at {a.start_pos}")
+                    taken.add(a.prefix_id)
+                    new.append(a)
+                    have = a.start_pos
+                elif bound is None:
                     if a.start_pos != 0:
                         raise UnknownSessionError(
                             f"session_id={a.session_id!r} is not bound on {self.owner} "
@@ -189,26 +232,38 @@ class LaneTable:
                     )
                 total_new += a.n_tokens
             used = sum(s.n_tokens for s in self._sessions.values())
-            if used + total_new > self.kv_pool_tokens:
+            kept = sum(a.start_pos for a in new if a.prefix_id is not None)
+            evictable = [p for p in self._resident if p not in taken]
+            resident_tokens = sum(self._resident[p].n_tokens for p in evictable)
+            if used + kept + total_new > self.kv_pool_tokens:
                 raise CapacityError(
-                    f"batch needs {total_new} KV cells but only {self.kv_pool_tokens - used} of "
+                    f"batch needs {total_new} KV cells but only {self.kv_pool_tokens - used - kept} of "
                     f"kv_pool_tokens={self.kv_pool_tokens} are free"
                 )
-            available = len(self._idle) + len(self._free)
-            if len(new) > available:
+            lanes_needed = sum(1 for a in new if a.prefix_id is None)
+            if lanes_needed > len(self._idle) + len(self._free) + len(evictable):
                 raise CapacityError(
                     f"all execution lanes are busy (lane_count={self.lane_count}, "
                     f"{len(self._sessions)} sessions active, {len(new)} new sessions asked for)"
                 )
+            # Resident prefixes hold KV cells too: the least recently used give way to this batch.
+            while evictable and used + kept + total_new + resident_tokens > self.kv_pool_tokens:
+                victim = evictable.pop(0)
+                resident_tokens -= self._resident[victim].n_tokens
+                self._evict_locked(victim)
             bound_now: list[str] = []
             try:
                 for a in new:
-                    lane = self._take_lane()
-                    self._sessions[a.session_id] = SessionLane(a.session_id, lane)
+                    if a.prefix_id is not None:
+                        self._bind_prefix_locked(a)
+                    else:
+                        self._sessions[a.session_id] = SessionLane(a.session_id, self._take_lane())
                     bound_now.append(a.session_id)
-            except CapacityError:
-                for session_id in bound_now:  # nothing was computed in them: clean, no reset needed
-                    self._place_locked(self._sessions.pop(session_id).lane, clean=True)
+            except (CapacityError, PrefixMissError):
+                for session_id in bound_now:
+                    s = self._sessions.pop(session_id)
+                    # a prefix's lane still holds its kept tokens: reset it; a fresh one is clean
+                    self._place_locked(s.lane, clean=s.n_tokens == 0 or self._try_reset(s.lane))
                 raise
             lanes = {a.session_id: self._sessions[a.session_id].lane for a in admissions}
             return lanes, bound_now
@@ -228,11 +283,52 @@ class LaneTable:
             self._reset_and_place(lane)
 
     def drop(self, session_id: str) -> DropResult:
+        """Free a session's lane, or a resident prefix of that id."""
         with self._lock:
-            unbound = self._sessions.pop(session_id, None)
+            unbound = self._sessions.pop(session_id, None) or self._resident.pop(session_id, None)
         if unbound is None:
             raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on this stage")
         return self._reset_and_place(unbound)
+
+    def retire(self, session_id: str) -> DropResult:
+        """End a session but keep its lane's KV as a resident prefix under its id (or drop it when
+        no prefix may be kept). Evicted prefixes are reset outside the lock."""
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+            if s is None:
+                raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on this stage")
+            if self._trim is None or self.idle_bound <= 0 or s.n_tokens == 0:
+                keep = False
+            else:
+                keep = True
+                s.last_used = time.monotonic()
+                self._resident[session_id] = s
+                evicted = []
+                while len(self._resident) > self.idle_bound:
+                    _, oldest = self._resident.popitem(last=False)
+                    evicted.append(oldest)
+        if not keep:
+            return self._reset_and_place(s)
+        for oldest in evicted:
+            self._reset_and_place(oldest)
+        return DropResult(session_id, s.lane, s.n_tokens, 0.0, discarded=False)
+
+    def trim(self, session_id: str, n_tokens: int) -> SessionLane:
+        """Cut a live session back to its first ``n_tokens`` (the caller has trimmed the KV)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on this stage")
+            if not 0 <= n_tokens <= s.n_tokens:
+                raise SessionStateError(f"tokens={n_tokens} for session_id={session_id!r}: "
+                                        f"the session holds {s.n_tokens}")
+            s.n_tokens = n_tokens
+            s.last_used = time.monotonic()
+            return SessionLane(s.session_id, s.lane, s.n_tokens, s.last_used)
+
+    def resident_prefixes(self) -> set[str]:
+        with self._lock:
+            return set(self._resident)
 
     def idle_sessions(self, older_than_s: float) -> list[str]:
         """Sessions unused for longer than the given time (for TTL expiry)."""
@@ -242,7 +338,26 @@ class LaneTable:
 
     # -- internals (lock held, except _reset_and_place) -------------------------------
 
+    def _bind_prefix_locked(self, a: Admission) -> None:
+        resident = self._resident.pop(a.prefix_id)
+        if a.start_pos < resident.n_tokens and not (self._trim is not None and self._try_trim(resident.lane, a.start_pos)):
+            self._place_locked(resident.lane, clean=self._try_reset(resident.lane))
+            raise PrefixMissError(f"prefix_id={a.prefix_id!r} could not be cut to {a.start_pos} tokens on {self.owner}")
+        self._sessions[a.session_id] = SessionLane(a.session_id, resident.lane, a.start_pos)
+
+    def _evict_locked(self, prefix_id: str) -> None:
+        resident = self._resident.pop(prefix_id)
+        self._place_locked(resident.lane, clean=self._try_reset(resident.lane))
+
+    def _try_trim(self, lane: int, keep: int) -> bool:
+        try:
+            return bool(self._trim(lane, keep))
+        except Exception:  # noqa: BLE001 - a failed trim is a miss: the caller resets the lane
+            return False
+
     def _take_lane(self) -> int:
+        if not self._idle and not self._free and self._resident:
+            self._evict_locked(next(iter(self._resident)))  # the least recently used prefix
         if self._idle:
             return self._idle.popleft()
         unusable: list[int] = []

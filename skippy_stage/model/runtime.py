@@ -31,7 +31,7 @@ import numpy as np
 import structlog
 
 from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
-from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure
+from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure, UnknownSessionError
 from skippy_stage.model import llama_ffi, loader
 from skippy_stage.model.capture import Capture, LayerTap, make_capture
 from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
@@ -61,6 +61,8 @@ class BatchEntry:
     want_logits: bool = False
     sample: bool = False
     sampling: SamplingParams | None = None
+    # A new session that takes this resident prefix's lane, keeping its first positions[0] tokens.
+    prefix_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,17 +146,22 @@ class StageRuntime:
         self._equal_split = not config.kv_unified
         self._alloc_batch()
         self._compute = threading.Lock()
+        # A recurrent state cannot be cut back to a prefix: such models keep no resident prefixes.
+        self.keeps_prefixes = not (llama_cpp.llama_model_is_recurrent(self._model)
+                                   or llama_cpp.llama_model_is_hybrid(self._model))
         self.lanes = LaneTable(
             lane_count=config.lane_count,
             cells_per_lane=self.cells_per_lane,
             kv_pool_tokens=self.n_ctx,
             cache_idle_slots=config.cache_idle_slots,
             reset=self._reset_lane,
+            trim=self._trim_lane if self.keeps_prefixes else None,
             owner=f"stage {config.stage_id}",
             lane_limit_hint=self.session_limit_hint,
         )
         self._samplers: dict[str, _SessionSampler] = {}
         self._history: dict[str, list[int]] = {}
+        self._resident_history: dict[str, list[int]] = {}  # by prefix id, for the sampler's penalties
         self.load_report = LoadReport(path, built, slice_seconds, time.perf_counter() - started)
         self.log.info(
             "stage loaded",
@@ -293,6 +300,9 @@ class StageRuntime:
                 if not np.isfinite(h).all():
                     row = int(np.nonzero(~np.isfinite(h).all(axis=1))[0][0])
                     raise InvalidRequestError(f"{where}.hidden row {row} holds non-finite values (NaN or inf)")
+            if e.prefix_id is not None and (not isinstance(e.prefix_id, str) or not e.prefix_id
+                                            or len(e.prefix_id) > MAX_SESSION_ID_LEN):
+                raise InvalidRequestError(f"{where}.prefix_id={e.prefix_id!r} must be 1..{MAX_SESSION_ID_LEN} characters")
             if (e.sample or e.want_logits) and not cfg.include_output:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
             if e.sample:
@@ -310,7 +320,12 @@ class StageRuntime:
         """
         checked = self._check(entries)
         with self._compute:
-            lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n) for c in checked])
+            lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n, c.entry.prefix_id)
+                                           for c in checked])
+            for c in checked:
+                if c.entry.prefix_id is not None and c.entry.session_id in new:
+                    kept = self._resident_history.pop(c.entry.prefix_id, [])
+                    self._history[c.entry.session_id] = kept[: int(c.positions[0])]
             try:
                 results = self._decode(checked, lanes)
             except BaseException:
@@ -419,10 +434,53 @@ class StageRuntime:
     def _reset_lane(self, lane: int) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, -1, -1))
 
+    def _trim_lane(self, lane: int, keep: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, keep, -1))
+
+    def retire_session(self, session_id: str) -> DropResult:
+        """End a session, keeping its KV as a resident prefix a later session may take (a plain
+        drop for models that keep none, or when ``cache_idle_slots`` is 0)."""
+        with self._compute:
+            result = self.lanes.retire(session_id)
+            history = self._history.pop(session_id, None)
+            self._forget(session_id)
+            resident = self.lanes.resident_prefixes()
+            if session_id in resident and history is not None:
+                self._resident_history[session_id] = history
+            for gone in set(self._resident_history) - resident:
+                del self._resident_history[gone]
+        self.log.info("session retired", session_id=session_id, lane=result.lane, tokens=result.n_tokens,
+                      resident=session_id in resident)
+        return result
+
+    def trim_session(self, session_id: str, n_tokens: int) -> int:
+        """Cut a session back to its first ``n_tokens`` (speculative rollback, an edited chat);
+        returns the tokens it held before."""
+        with self._compute:
+            bound = self.lanes.lane_of(session_id)
+            if bound is None:
+                raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on stage {self.config.stage_id}")
+            if not 0 <= n_tokens <= bound.n_tokens:
+                raise InvalidRequestError(f"tokens={n_tokens} for session_id={session_id!r}: the session holds "
+                                          f"{bound.n_tokens} on stage {self.config.stage_id}")
+            if n_tokens < bound.n_tokens and not self._trim_lane(bound.lane, n_tokens):
+                raise InvalidRequestError(f"tokens={n_tokens} for session_id={session_id!r}: this model's state "
+                                          f"(recurrent) cannot be cut back on stage {self.config.stage_id}")
+            self.lanes.trim(session_id, n_tokens)
+            history = self._history.get(session_id)
+            if history is not None:
+                del history[n_tokens:]
+            state = self._samplers.pop(session_id, None)  # rebuilt from the cut history when next used
+            if state is not None:
+                state.chain.close()
+        return bound.n_tokens
+
     def drop_session(self, session_id: str) -> DropResult:
+        """Free a session, or a resident prefix of that id."""
         with self._compute:
             result = self.lanes.drop(session_id)
             self._forget(session_id)
+            self._resident_history.pop(session_id, None)
         self.log.info("session dropped", session_id=session_id, lane=result.lane, tokens=result.n_tokens,
                       reset_ms=round(result.reset_seconds * 1e3, 3), discarded=result.discarded)
         return result

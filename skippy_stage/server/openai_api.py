@@ -427,9 +427,10 @@ def _model_id(servicer: Any) -> str:
     return config.model_id or Path(config.model_path).name
 
 
-def _usage(finish: Finish) -> dict[str, int]:
+def _usage(finish: Finish) -> dict[str, object]:
     return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
 
 
 def _sse(data: object) -> bytes:

@@ -202,7 +202,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     @_unary
     def DropSession(self, request, context):  # noqa: N802
-        return codec.drops_to_pb(self.stage.drop_session(request.session_id, context.time_remaining()))
+        return codec.drops_to_pb(self.stage.drop_session(request.session_id, context.time_remaining(),
+                                                         keep_prefix=request.keep_prefix))
+
+    @_unary
+    def TrimSession(self, request, context):  # noqa: N802
+        return codec.trims_to_pb(self.stage.trim_session(request.session_id, request.tokens, context.time_remaining()))
 
     @_unary
     def GetStatus(self, request, context):  # noqa: N802
@@ -226,7 +231,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
                              first_token_s=round(first_token_s or elapsed, 3))
                     self.stage.metrics.requests(rpc="Generate", code="OK").inc()
                     yield pb.GenerateResponse(done=True, finish_reason=reason, prompt_tokens=event.prompt_tokens,
-                                              completion_tokens=event.completion_tokens, session_id=event.session_id)
+                                              completion_tokens=event.completion_tokens, session_id=event.session_id,
+                                              cached_tokens=event.cached_tokens)
                 else:
                     if first_token_s is None:
                         first_token_s = time.perf_counter() - started

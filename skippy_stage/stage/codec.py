@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from skippy_stage.model.lanes import LaneRow, LaneStats
+from skippy_stage.model.lanes import LaneRow, LaneStats, ResidentRow
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.stage import wire
-from skippy_stage.stage.reports import StageDrop, StageReport
+from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.steps import (
     PHASE_DECODE,
     PHASE_PREFILL,
@@ -104,6 +104,7 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         want_logits=e.want_logits,
         # Acted on by the final stage only, and checked only where it will be.
         sampling=sampling_from_pb(e.sampling) if e.sample_last and e.HasField("sampling") else None,
+        prefix_id=e.prefix_id or None,
     )
 
 
@@ -114,6 +115,8 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
         msg.token_ids.extend(_list(e.token_ids))
     if e.sampling is not None:
         msg.sampling.CopyFrom(sampling_to_pb(e.sampling))
+    if e.prefix_id is not None:
+        msg.prefix_id = e.prefix_id
     return msg
 
 
@@ -205,6 +208,8 @@ def report_to_pb(r: StageReport) -> pb.StageStatus:
         msg.kv_cells_per_lane, msg.discarded_lanes = s.kv_cells_per_lane, s.discarded_lanes
         msg.lanes.extend(pb.LaneRow(lane=row.lane, state=row.state, session_id=row.session_id or "",
                                     tokens=row.n_tokens) for row in s.lanes)
+        msg.resident_prefixes.extend(pb.ResidentPrefix(prefix_id=r.prefix_id, lane=r.lane, tokens=r.n_tokens,
+                                                       age_s=r.age_s) for r in s.resident)
     return msg
 
 
@@ -217,6 +222,7 @@ def report_from_pb(m: pb.StageStatus) -> StageReport:
             total_session_tokens=m.total_session_tokens, kv_pool_tokens=m.kv_pool_tokens,
             kv_cells_per_lane=m.kv_cells_per_lane, discarded_lanes=m.discarded_lanes,
             lanes=tuple(LaneRow(row.lane, row.state, row.session_id or None, row.tokens) for row in m.lanes),
+            resident=tuple(ResidentRow(r.prefix_id, r.lane, r.tokens, r.age_s) for r in m.resident_prefixes),
         )
     return StageReport(
         stage_id=m.stage_id, stage_index=m.stage_index, run_id=m.run_id, topology_id=m.topology_id,
@@ -236,3 +242,12 @@ def drops_to_pb(drops: Sequence[StageDrop]) -> pb.DropSessionResponse:
 
 def drops_from_pb(msg: pb.DropSessionResponse) -> list[StageDrop]:
     return [StageDrop(d.stage_id, d.found, d.reset_ms) for d in msg.stages]
+
+
+def trims_to_pb(trims: Sequence[StageTrim]) -> pb.TrimSessionResponse:
+    return pb.TrimSessionResponse(stages=[pb.StageTrim(stage_id=t.stage_id, tokens_before=t.tokens_before)
+                                          for t in trims])
+
+
+def trims_from_pb(msg: pb.TrimSessionResponse) -> list[StageTrim]:
+    return [StageTrim(t.stage_id, t.tokens_before) for t in msg.stages]

@@ -21,7 +21,7 @@ from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, SkippyError
 from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, hops
-from skippy_stage.stage.reports import StageDrop, StageReport
+from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import Frame, Outputs, Reply
 from skippy_stage.v1 import stage_pb2 as pb
@@ -142,11 +142,19 @@ class DownstreamClient:
     def reply_error(self, reply: Reply) -> DownstreamError:
         return reply_error(self.peer, reply)
 
-    def drop_session(self, session_id: str, remaining: float | None) -> list[StageDrop]:
+    def drop_session(self, session_id: str, remaining: float | None, keep_prefix: bool = False) -> list[StageDrop]:
         try:
-            return codec.drops_from_pb(self._stub.DropSession(pb.DropSessionRequest(session_id=session_id),
-                                                              timeout=self.timeout_for(remaining),
-                                                              metadata=self._metadata))
+            return codec.drops_from_pb(self._stub.DropSession(
+                pb.DropSessionRequest(session_id=session_id, keep_prefix=keep_prefix),
+                timeout=self.timeout_for(remaining), metadata=self._metadata))
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+
+    def trim_session(self, session_id: str, tokens: int, remaining: float | None) -> list[StageTrim]:
+        try:
+            return codec.trims_from_pb(self._stub.TrimSession(
+                pb.TrimSessionRequest(session_id=session_id, tokens=tokens),
+                timeout=self.timeout_for(remaining), metadata=self._metadata))
         except grpc.RpcError as err:
             raise self._translate(err) from None
 
@@ -244,8 +252,11 @@ class LocalDownstream:
             raise DownstreamError(f"stage {self.peer.stage_id}: {message}", stage_id=self.peer.stage_id,
                                   code_name=_RELAYED_CODES.get(code, "UNAVAILABLE")) from None
 
-    def drop_session(self, session_id: str, remaining: float | None) -> list[StageDrop]:
-        return self._call(self.target.drop_session, session_id, remaining)
+    def drop_session(self, session_id: str, remaining: float | None, keep_prefix: bool = False) -> list[StageDrop]:
+        return self._call(self.target.drop_session, session_id, remaining, keep_prefix)
+
+    def trim_session(self, session_id: str, tokens: int, remaining: float | None) -> list[StageTrim]:
+        return self._call(self.target.trim_session, session_id, tokens, remaining)
 
     def status(self, timeout_s: float) -> StageReport:
         return self._call(self.target.status)

@@ -1,4 +1,5 @@
-"""What a stage says about itself (GetStatus) and about a session it freed (DropSession).
+"""What a stage says about itself (GetStatus) and about a session it freed or cut (DropSession,
+TrimSession).
 
 Domain types, so the stage builds them without protobuf and the edge agreement reads a
 neighbour's report the same way whether it came over gRPC or from a stage in this process.
@@ -44,3 +45,11 @@ class StageDrop:
     stage_id: str
     found: bool
     reset_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageTrim:
+    """How many tokens one stage held for the session before it was cut back."""
+
+    stage_id: str
+    tokens_before: int

@@ -44,7 +44,7 @@ from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.security import Credentials
 from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream
-from skippy_stage.stage.reports import StageDrop, StageReport
+from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.returns import LocalReturn, ReturnBox, StreamReturn, TcpReturn
 from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import (
@@ -265,6 +265,7 @@ class Stage:
         m.gauge_from("lanes_idle", lambda: runtime.stats().idle_lanes)
         m.gauge_from("kv_cells_used", lambda: runtime.stats().total_session_tokens)
         m.gauge_from("kv_cells_total", lambda: runtime.stats().kv_pool_tokens)
+        m.gauge_from("resident_prefixes", lambda: len(runtime.stats().resident))
         self.transition(StageState.SERVING)
 
     @property
@@ -595,20 +596,23 @@ class Stage:
             except UnknownSessionError:
                 pass
 
-    def drop_session(self, session_id: str, remaining_s: float | None) -> list[StageDrop]:
-        """Free the session here and on every stage below; NOT_FOUND only if no stage had it."""
+    def drop_session(self, session_id: str, remaining_s: float | None, *, keep_prefix: bool = False) -> list[StageDrop]:
+        """Free the session here and on every stage below; NOT_FOUND only if no stage had it.
+
+        ``keep_prefix``: each stage keeps the session's KV as a resident prefix instead (the
+        head retires a finished session so a later one may start from it)."""
         if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
             raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")
         runtime = self.require_runtime()
         try:
-            result = runtime.drop_session(session_id)
+            result = runtime.retire_session(session_id) if keep_prefix else runtime.drop_session(session_id)
             stages = [StageDrop(self.config.stage_id, True, result.reset_seconds * 1e3)]
         except UnknownSessionError:
             stages = [StageDrop(self.config.stage_id, False)]
         downstream = self.downstream
         if downstream is not None:
             try:
-                stages.extend(downstream.drop_session(session_id, remaining_s))
+                stages.extend(downstream.drop_session(session_id, remaining_s, keep_prefix))
             except DownstreamError as exc:
                 if exc.code_name != "NOT_FOUND":
                     self.remember_drops([session_id])
@@ -616,6 +620,20 @@ class Stage:
                 stages.append(StageDrop(downstream.peer.stage_id, False))
         if not any(s.found for s in stages):
             raise UnknownSessionError(f"session_id={session_id!r} is not bound on stage {self.config.stage_id} or below")
+        return stages
+
+    def trim_session(self, session_id: str, tokens: int, remaining_s: float | None) -> list[StageTrim]:
+        """Cut the session back to its first ``tokens`` here and on every stage below, in one call.
+
+        Every stage checks before any cuts (a count past what the session holds is refused by the
+        first stage, which holds as many tokens as any below it)."""
+        if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
+            raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")
+        before = self.require_runtime().trim_session(session_id, tokens)
+        stages = [StageTrim(self.config.stage_id, before)]
+        downstream = self.downstream
+        if downstream is not None:
+            stages.extend(downstream.trim_session(session_id, tokens, remaining_s))
         return stages
 
     def status(self) -> StageReport:

@@ -43,6 +43,8 @@ class StepEntry:
     sample_last: bool = False
     want_logits: bool = False
     sampling: SamplingParams | None = None
+    # The first entry of a session that takes a resident prefix, keeping positions[0] of its tokens.
+    prefix_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             want_logits=e.want_logits and shape.include_output,
             sample=e.sample_last and shape.include_output,
             sampling=sampling,
+            prefix_id=e.prefix_id,
         ))
     return entries
 

@@ -64,7 +64,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
-    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling")
+    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class BatchEntry(_message.Message):
     SAMPLE_LAST_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     phase: Phase
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -79,7 +80,8 @@ class BatchEntry(_message.Message):
     sample_last: bool
     want_logits: bool
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    prefix_id: str
+    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ...) -> None: ...
 
 class FrameDescriptor(_message.Message):
     __slots__ = ("version", "dtype", "layout", "producer_stage_index", "layer_start", "layer_end", "token_count", "sequence_count", "payload_bytes", "flags", "width")
@@ -246,10 +248,46 @@ class DecodeResponse(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DropSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "keep_prefix")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    keep_prefix: bool
+    def __init__(self, session_id: _Optional[str] = ..., keep_prefix: _Optional[bool] = ...) -> None: ...
+
+class TrimSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class StageTrim(_message.Message):
+    __slots__ = ("stage_id", "tokens_before")
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    stage_id: str
+    tokens_before: int
+    def __init__(self, stage_id: _Optional[str] = ..., tokens_before: _Optional[int] = ...) -> None: ...
+
+class TrimSessionResponse(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageTrim]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageTrim, _Mapping]]] = ...) -> None: ...
+
+class ResidentPrefix(_message.Message):
+    __slots__ = ("prefix_id", "lane", "tokens", "age_s")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    lane: int
+    tokens: int
+    age_s: float
+    def __init__(self, prefix_id: _Optional[str] = ..., lane: _Optional[int] = ..., tokens: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class StageDrop(_message.Message):
     __slots__ = ("stage_id", "found", "reset_ms")
@@ -284,7 +322,7 @@ class LaneRow(_message.Message):
     def __init__(self, lane: _Optional[int] = ..., state: _Optional[str] = ..., session_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("stage_id", "stage_index", "run_id", "topology_id", "model_id", "architecture", "layer_start", "layer_end", "include_embeddings", "include_output", "n_embd", "state", "lane_count", "active_sessions", "idle_lanes", "free_lanes", "max_session_tokens", "total_session_tokens", "kv_pool_tokens", "kv_cells_per_lane", "discarded_lanes", "lanes", "downstream_stage_id", "downstream_endpoint", "downstream_ok", "downstream_error", "wire_dtype", "hop_transport", "frame_port", "tls")
+    __slots__ = ("stage_id", "stage_index", "run_id", "topology_id", "model_id", "architecture", "layer_start", "layer_end", "include_embeddings", "include_output", "n_embd", "state", "lane_count", "active_sessions", "idle_lanes", "free_lanes", "max_session_tokens", "total_session_tokens", "kv_pool_tokens", "kv_cells_per_lane", "discarded_lanes", "lanes", "downstream_stage_id", "downstream_endpoint", "downstream_ok", "downstream_error", "wire_dtype", "hop_transport", "frame_port", "tls", "resident_prefixes")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +353,7 @@ class StageStatus(_message.Message):
     HOP_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     stage_index: int
     run_id: str
@@ -345,7 +384,8 @@ class StageStatus(_message.Message):
     hop_transport: str
     frame_port: int
     tls: bool
-    def __init__(self, stage_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., run_id: _Optional[str] = ..., topology_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., include_embeddings: _Optional[bool] = ..., include_output: _Optional[bool] = ..., n_embd: _Optional[int] = ..., state: _Optional[str] = ..., lane_count: _Optional[int] = ..., active_sessions: _Optional[int] = ..., idle_lanes: _Optional[int] = ..., free_lanes: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., total_session_tokens: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_cells_per_lane: _Optional[int] = ..., discarded_lanes: _Optional[int] = ..., lanes: _Optional[_Iterable[_Union[LaneRow, _Mapping]]] = ..., downstream_stage_id: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., downstream_ok: _Optional[bool] = ..., downstream_error: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., hop_transport: _Optional[str] = ..., frame_port: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
+    resident_prefixes: _containers.RepeatedCompositeFieldContainer[ResidentPrefix]
+    def __init__(self, stage_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., run_id: _Optional[str] = ..., topology_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., include_embeddings: _Optional[bool] = ..., include_output: _Optional[bool] = ..., n_embd: _Optional[int] = ..., state: _Optional[str] = ..., lane_count: _Optional[int] = ..., active_sessions: _Optional[int] = ..., idle_lanes: _Optional[int] = ..., free_lanes: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., total_session_tokens: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_cells_per_lane: _Optional[int] = ..., discarded_lanes: _Optional[int] = ..., lanes: _Optional[_Iterable[_Union[LaneRow, _Mapping]]] = ..., downstream_stage_id: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., downstream_ok: _Optional[bool] = ..., downstream_error: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., hop_transport: _Optional[str] = ..., frame_port: _Optional[int] = ..., tls: _Optional[bool] = ..., resident_prefixes: _Optional[_Iterable[_Union[ResidentPrefix, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -370,7 +410,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id")
+    __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id", "cached_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +418,7 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     done: bool
@@ -385,4 +426,5 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     session_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

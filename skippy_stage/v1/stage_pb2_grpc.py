@@ -59,6 +59,11 @@ class StageServiceStub:
                 request_serializer=skippy__stage_dot_v1_dot_stage__pb2.DropSessionRequest.SerializeToString,
                 response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.DropSessionResponse.FromString,
                 _registered_method=True)
+        self.TrimSession = channel.unary_unary(
+                '/skippy.stage.v1.StageService/TrimSession',
+                request_serializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionRequest.SerializeToString,
+                response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/skippy.stage.v1.StageService/GetStatus',
                 request_serializer=skippy__stage_dot_v1_dot_stage__pb2.GetStatusRequest.SerializeToString,
@@ -123,6 +128,12 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TrimSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -173,6 +184,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.DropSession,
                     request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.DropSessionRequest.FromString,
                     response_serializer=skippy__stage_dot_v1_dot_stage__pb2.DropSessionResponse.SerializeToString,
+            ),
+            'TrimSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrimSession,
+                    request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionRequest.FromString,
+                    response_serializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -325,6 +341,33 @@ class StageService:
             '/skippy.stage.v1.StageService/DropSession',
             skippy__stage_dot_v1_dot_stage__pb2.DropSessionRequest.SerializeToString,
             skippy__stage_dot_v1_dot_stage__pb2.DropSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrimSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skippy.stage.v1.StageService/TrimSession',
+            skippy__stage_dot_v1_dot_stage__pb2.TrimSessionRequest.SerializeToString,
+            skippy__stage_dot_v1_dot_stage__pb2.TrimSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,3 +45,7 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
                                            "tcp_socket_round_trip_us"}
     assert all(v > 0 for v in report["hop_floor_us"].values())
     assert "straight to the head" in run.stdout and "hop floor" in run.stdout and "hop latency" in run.stdout
+    # The 4-turn chat on 3 stages with resident prefixes and without: time to first token per turn.
+    assert set(report["chat_ttft_s"]) == {"with_prefix_cache", "without_prefix_cache"}
+    assert all(len(v) == 4 and all(t > 0 for t in v) for v in report["chat_ttft_s"].values())
+    assert "chat turn 4 TTFT" in run.stdout

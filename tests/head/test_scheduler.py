@@ -18,6 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from skippy_stage.errors import CapacityError, DownstreamError, SkippyError
+from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import End, Failed, Scheduler, SchedulerLimits, Task
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
@@ -47,6 +48,8 @@ class FakeChain:
         self.max_in_flight = 0
         self._arrived: queue.SimpleQueue[Step] = queue.SimpleQueue()
         self._dropped: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.retired: list[str] = []
+        self._retired: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     def step(self, request: Step, timeout_s: float) -> Outputs:
@@ -79,6 +82,16 @@ class FakeChain:
         with self._lock:
             self.drops.append(session_id)
         self._dropped.put(session_id)
+
+    def retire(self, session_id: str) -> None:
+        with self._lock:
+            self.retired.append(session_id)
+        self._retired.put(session_id)
+
+    def wait_retired(self, session_id: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while self._retired.get(timeout=max(0.01, deadline - time.monotonic())) != session_id:
+            pass
 
     def next_request(self, timeout: float = WAIT_S) -> Step:
         """The next request to reach the fake (raises queue.Empty if none arrives in time)."""
@@ -467,3 +480,63 @@ def test_a_step_that_crashes_fails_its_tasks_and_the_worker_keeps_serving(make_s
     scheduler.submit(second)
     events = [second.events.get(timeout=5) for _ in range(4)]
     assert isinstance(events[-1], End)
+
+
+# -- resident prefixes ----------------------------------------------------------------------
+
+
+def make_prefix_scheduler(chain: FakeChain, events: list, capacity: int = 4, **limits: object) -> Scheduler:
+    values: dict[str, object] = {"lane_count": 4, "kv_pool_tokens": 100_000, "max_context": 10_000,
+                                 "n_batch": 512, "n_ubatch": 512, "step_timeout_s": WAIT_S, **limits}
+    return Scheduler(SchedulerLimits(**values), step=chain.step, drop=chain.drop, is_eog=lambda token: token == EOG,
+                     retire=chain.retire, prefixes=PrefixCache(capacity),
+                     on_prefix=lambda kind, tokens: events.append((kind, tokens)))
+
+
+def test_a_finished_session_is_retired_and_the_next_prompt_starts_from_it(make_scheduler):
+    chain, events = FakeChain(), []
+    scheduler = make_prefix_scheduler(chain, events)
+    try:
+        first = make_task("turn-1", prompt_len=10, max_tokens=3)
+        scheduler.submit(first)
+        tokens, end = outcome(first)
+        assert isinstance(end, End)
+        chain.wait_retired("turn-1")
+        # the next turn: the first turn's prompt, the two tokens it fed back, then new tokens
+        second = Task(session_id="turn-2", prompt=first.prompt + tokens[:2] + [900, 901], sampling=SamplingParams(),
+                      max_tokens=2)
+        scheduler.submit(second)
+        _, end = outcome(second)
+        assert isinstance(end, End) and second.cached_tokens == 12
+        entry = next(e for r in chain.requests for e in r.entries if e.session_id == "turn-2")
+        assert entry.prefix_id == "turn-1" and list(entry.positions) == [12, 13]
+        assert ("hit", 12) in events and ("miss", 0) in events  # the first turn found nothing
+    finally:
+        scheduler.close()
+
+
+def test_a_stage_that_lost_the_prefix_makes_the_session_prefill_from_scratch(make_scheduler):
+    def fail(request: Step) -> SkippyError | None:
+        if any(e.prefix_id for e in request.entries):
+            return DownstreamError("stage stage-2: prefix miss: prefix_id='turn-1' is not resident on stage stage-2",
+                                   stage_id="stage-2", code_name="FAILED_PRECONDITION")
+        return None
+
+    chain, events = FakeChain(fail=fail), []
+    scheduler = make_prefix_scheduler(chain, events, recovery_wait_s=0.0)  # a miss recovers even so
+    try:
+        first = make_task("turn-1", prompt_len=10, max_tokens=3)
+        scheduler.submit(first)
+        tokens, _ = outcome(first)
+        chain.wait_retired("turn-1")
+        second = Task(session_id="turn-2", prompt=first.prompt + tokens[:2] + [900], sampling=SamplingParams(),
+                      max_tokens=2)
+        scheduler.submit(second)
+        streamed, end = outcome(second)
+        assert isinstance(end, End) and len(streamed) == 2 and second.cached_tokens == 0
+        assert ("miss", 0) in events[1:]
+        redo = [e for r in chain.requests for e in r.entries if e.session_id == second.session_id]
+        assert second.session_id != "turn-2" and list(redo[0].positions)[0] == 0 and redo[0].prefix_id is None
+        chain.wait_dropped("turn-2", "turn-1")  # the half-run session, and the prefix stages below still hold
+    finally:
+        scheduler.close()

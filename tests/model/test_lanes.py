@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from skippy_stage.errors import CapacityError, SessionStateError, UnknownSessionError
+from skippy_stage.errors import CapacityError, PrefixMissError, SessionStateError, UnknownSessionError
 from skippy_stage.model.lanes import Admission, LaneStats, LaneTable
 
 
@@ -466,3 +466,121 @@ def test_concurrent_admissions_never_share_a_lane() -> None:
 
     assert sorted(got.values()) == list(range(16))
     assert table.stats().free_lanes == 0
+
+
+# -- resident prefixes ----------------------------------------------------------------------
+
+
+class Trims:
+    """Records every trim (lane, keep); ``fail`` holds lanes whose next trim fails."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.fail: set[int] = set()
+
+    def __call__(self, lane: int, keep: int) -> bool:
+        self.calls.append((lane, keep))
+        if lane in self.fail:
+            self.fail.discard(lane)
+            return False
+        return True
+
+
+def prefix_table(**kwargs: object) -> tuple[LaneTable, Resets, Trims]:
+    reset, trims = Resets(), Trims()
+    values: dict = dict(lane_count=4, cells_per_lane=100, kv_pool_tokens=400, cache_idle_slots=None, reset=reset,
+                        trim=trims, owner="stage-0")
+    values.update(kwargs)
+    return LaneTable(**values), reset, trims
+
+
+def run(table: LaneTable, session_id: str, tokens: int) -> int:
+    lanes, _ = table.admit([Admission(session_id, 0, tokens)])
+    table.advance(session_id, tokens)
+    return lanes[session_id]
+
+
+def test_a_retired_session_keeps_its_lane_as_a_resident_prefix_a_new_session_takes_in_part():
+    table, reset, trims = prefix_table()
+    lane = run(table, "turn-1", 30)
+
+    table.retire("turn-1")
+    stats = table.stats()
+    assert stats.active_sessions == 0 and [(r.prefix_id, r.lane, r.n_tokens) for r in stats.resident] == [("turn-1", lane, 30)]
+    assert reset.calls == []  # its KV is kept, not reset
+
+    lanes, new = table.admit([Admission("turn-2", 20, 5, prefix_id="turn-1")])
+    assert lanes["turn-2"] == lane and new == ["turn-2"]
+    assert trims.calls == [(lane, 20)]  # positions 20.. of the old session are cut away
+    table.advance("turn-2", 5)
+    assert table.next_position("turn-2") == 25 and table.stats().resident == ()
+
+
+def test_a_prefix_that_is_not_resident_is_a_miss_and_binds_nothing():
+    table, _, _ = prefix_table()
+    run(table, "kept", 10)
+    table.retire("kept")
+    with pytest.raises(PrefixMissError, match=r"prefix miss: prefix_id='gone' is not resident on stage-0"):
+        table.admit([Admission("fresh", 0, 3), Admission("next", 4, 2, prefix_id="gone")])
+    with pytest.raises(PrefixMissError, match=r"prefix_id='kept' holds 10 tokens on stage-0; positions start at 12"):
+        table.admit([Admission("next", 12, 2, prefix_id="kept")])
+    stats = table.stats()
+    assert stats.active_sessions == 0 and [r.prefix_id for r in stats.resident] == ["kept"]
+
+
+def test_resident_prefixes_beyond_cache_idle_slots_evict_the_least_recently_used():
+    table, reset, _ = prefix_table(cache_idle_slots=2)
+    lanes = {sid: run(table, sid, 10) for sid in ("a", "b", "c")}
+    for sid in ("a", "b", "c"):
+        table.retire(sid)
+    assert [r.prefix_id for r in table.stats().resident] == ["b", "c"]
+    assert reset.calls == [lanes["a"]]
+
+
+def test_live_work_evicts_resident_prefixes_for_lanes_and_for_kv_cells():
+    table, reset, _ = prefix_table(lane_count=2, kv_pool_tokens=100)
+    lanes = {sid: run(table, sid, 40) for sid in ("a", "b")}
+    table.retire("a")
+    table.retire("b")
+    run(table, "c", 10)  # no idle or free lane: the least recently used prefix gives its lane
+    assert reset.calls == [lanes["a"]] and [r.prefix_id for r in table.stats().resident] == ["b"]
+    table.advance("c", 40)  # c holds 50 cells, b 40: a batch of 20 more needs b's cells
+    table.admit([Admission("c", 50, 20)])
+    assert reset.calls == [lanes["a"], lanes["b"]] and table.stats().resident == ()
+
+
+def test_a_resident_prefix_is_dropped_by_its_id():
+    table, reset, _ = prefix_table()
+    lane = run(table, "a", 10)
+    table.retire("a")
+    table.drop("a")
+    assert reset.calls == [lane] and table.stats().resident == ()
+
+
+def test_a_prefix_that_cannot_be_cut_is_a_miss_and_its_lane_is_reset():
+    table, reset, trims = prefix_table()
+    lane = run(table, "a", 10)
+    table.retire("a")
+    trims.fail.add(lane)
+    with pytest.raises(PrefixMissError, match="could not be cut to 4 tokens"):
+        table.admit([Admission("b", 4, 2, prefix_id="a")])
+    assert reset.calls == [lane] and table.stats().active_sessions == 0 and table.stats().resident == ()
+
+
+def test_without_a_trim_or_with_no_idle_slots_a_retired_session_is_dropped():
+    for kwargs in ({"trim": None}, {"cache_idle_slots": 0}):
+        table, reset, _ = prefix_table(**kwargs)
+        lane = run(table, "a", 10)
+        table.retire("a")
+        assert reset.calls == [lane] and table.stats().resident == ()
+
+
+def test_trim_cuts_a_session_back_and_refuses_a_count_past_what_it_holds():
+    table, _, _ = prefix_table()
+    run(table, "a", 10)
+    assert table.trim("a", 4).n_tokens == 4
+    assert table.next_position("a") == 4
+    with pytest.raises(SessionStateError, match="tokens=5 for session_id='a': the session holds 4"):
+        table.trim("a", 5)
+    with pytest.raises(UnknownSessionError):
+        table.trim("nobody", 0)

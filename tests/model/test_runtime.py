@@ -416,3 +416,35 @@ def test_repeat_penalty_window_holds_the_last_n_tokens_of_the_history(chain, hea
         expected.append(int(np.argmax(penalised)))
         history.append(token)
     assert out == expected
+
+
+def test_a_session_cut_back_and_fed_other_tokens_computes_what_a_fresh_session_fed_those_tokens_does(
+        smollm2, slice_cache):
+    """The KV past the cut is gone on every stage: an edited continuation equals a session that
+    never had the old tokens, run in the same batch shapes (a prefill, then one token a step)."""
+    chain = Chain(split_configs(smollm2, [(0, 10), (10, 20), (20, 30)], slice_cache, kv_unified=False))
+    try:
+        prompt = chain.head.tokenizer.tokenize("The capital of France is", add_special=True, parse_special=False)
+        _, by_session = chain.greedy({"a": prompt}, 8)  # the lanes hold the prompt and 7 fed tokens
+        generated = by_session["a"]
+        cut = len(prompt) + 3
+        assert [stage.trim_session("a", cut) for stage in chain.stages] == [len(prompt) + 7] * 3
+        edit = [generated[5]]  # not the token that stood at position `cut`
+        got = forced_then_greedy(chain, "a", cut, edit, 4)
+
+        chain.step([Step("b", 0, prompt, want_logits=False)])
+        for i, token in enumerate(generated[:3]):
+            chain.step([Step("b", len(prompt) + i, [token], want_logits=False)])
+        want = forced_then_greedy(chain, "b", cut, edit, 4)
+        assert got == want
+    finally:
+        chain.close()
+
+
+def forced_then_greedy(chain: Chain, session_id: str, start: int, forced: list[int], n: int) -> list[int]:
+    (out,) = chain.step([Step(session_id, start, forced, want_logits=False)])
+    tokens = [out.token]
+    for i in range(n - 1):
+        (out,) = chain.step([Step(session_id, start + len(forced) + i, [tokens[-1]], want_logits=False)])
+        tokens.append(out.token)
+    return tokens

@@ -816,7 +816,8 @@ def lane_kv_stats(status: pb.StageStatus) -> dict[str, object]:
     """
     return {
         "state": status.state, "lane_count": status.lane_count, "active_sessions": status.active_sessions,
-        "unbound_lanes": status.idle_lanes + status.free_lanes, "max_session_tokens": status.max_session_tokens,
+        "unbound_lanes": status.idle_lanes + status.free_lanes + len(status.resident_prefixes),
+        "max_session_tokens": status.max_session_tokens,
         "total_session_tokens": status.total_session_tokens, "kv_pool_tokens": status.kv_pool_tokens,
         "kv_cells_per_lane": status.kv_cells_per_lane, "discarded_lanes": status.discarded_lanes,
         "bound_rows": sorted(r.session_id for r in status.lanes if r.state == "active"),

@@ -1,0 +1,194 @@
+"""Resident prefixes: a chat's next turn starts from the KV its previous turn left behind.
+
+The reference is llama-cpp-python's ``Llama`` fed the same requests in the same order: it
+keeps the KV of its previous prompt and reuses the longest common prefix, which is the rule
+the head applies, so the suffix prefills have the same shapes and the texts must be equal.
+A stage that lost its prefixes (restarted) makes the head prefill in full: same text.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import openai
+import pytest
+from support.pipeline import metric, scrape
+
+from skippy_stage.cli.local import free_ports
+from skippy_stage.model.loader import reference_llama
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+RANGES = [(0, 10), (10, 20), (20, 30)]
+MAX_TOKENS = 24
+STAGE_OPTIONS = {"n_threads": 1, "kv_unified": False}
+TURNS = ["What is the capital of France?", "And the capital of Italy?", "Which of the two cities is older?",
+         "Answer that again in one word."]
+
+
+def reference_chat(model, turns: list[str]) -> list[str]:
+    llm = reference_llama(model, n_ctx=2048, verbose=False)
+    try:
+        messages, answers = [], []
+        for question in turns:
+            messages.append({"role": "user", "content": question})
+            answer = llm.create_chat_completion(messages, temperature=0, max_tokens=MAX_TOKENS)
+            answers.append(answer["choices"][0]["message"]["content"])
+            messages.append({"role": "assistant", "content": answers[-1]})
+        return answers
+    finally:
+        llm.close()
+
+
+def chat(client: openai.OpenAI, model_name: str, turns: list[str]) -> tuple[list[str], list[int]]:
+    messages, answers, cached = [], [], []
+    for question in turns:
+        messages.append({"role": "user", "content": question})
+        result = client.chat.completions.create(model=model_name, messages=messages, temperature=0,
+                                                max_tokens=MAX_TOKENS)
+        answers.append(result.choices[0].message.content)
+        cached.append(result.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers, cached
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    return reference_chat(smollm2, TURNS)
+
+
+@pytest.fixture(scope="module")
+def pipeline(start_pipeline, smollm2):
+    http, *metrics_ports = free_ports("127.0.0.1", 4)
+    p = start_pipeline(smollm2, RANGES, http_port=[http, None, None], metrics_port=metrics_ports, **STAGE_OPTIONS)
+    p.http = http
+    p.metrics_ports = metrics_ports
+    yield p
+    p.stop()
+
+
+def client_of(pipeline) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{pipeline.http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def statuses(pipeline) -> list[pb.StageStatus]:
+    out = []
+    for cfg in pipeline.configs:
+        with grpc.insecure_channel(f"127.0.0.1:{cfg['bind_addr'].rsplit(':', 1)[1]}") as channel:
+            out.append(pb_grpc.StageServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10))
+    return out
+
+
+def test_a_four_turn_chat_over_three_stages_reuses_each_turn_and_equals_llama(pipeline, reference, smollm2):
+    before = scrape(pipeline.metrics_ports[0])
+    answers, cached = chat(client_of(pipeline), smollm2.name, TURNS)
+    print("answers:", answers, "cached tokens per turn:", cached)
+    assert answers == reference
+    assert all(c > 0 for c in cached[1:])  # every later turn started from the previous one's KV
+    after = scrape(pipeline.metrics_ports[0])
+    hits = metric(after, "skippy_prefix_cache_hits_total") - metric(before, "skippy_prefix_cache_hits_total")
+    reused = (metric(after, "skippy_prefix_cache_tokens_reused_total")
+              - metric(before, "skippy_prefix_cache_tokens_reused_total"))
+    assert hits >= 3 and reused >= sum(cached[1:])
+    for status in statuses(pipeline):  # every stage keeps the last turn's KV, under the same id
+        assert [p.tokens > 0 for p in status.resident_prefixes] and status.active_sessions == 0
+    assert len({tuple(sorted(p.prefix_id for p in s.resident_prefixes)) for s in statuses(pipeline)}) == 1
+
+
+def test_more_conversations_than_idle_slots_evict_prefixes_and_every_text_stays_exact(start_pipeline, smollm2):
+    """One resident slot, three conversations taking turns: most turns find their prefix gone."""
+    conversations = [["Name a fruit.", "Name another one."], ["What is 2 + 2?", "And 3 + 3?"],
+                     ["Say hello.", "Say goodbye."]]
+    http = free_ports("127.0.0.1", 1)[0]
+    p = start_pipeline(smollm2, RANGES, http_port=[http, None, None], cache_idle_slots=1, **STAGE_OPTIONS)
+    try:
+        p.http = http
+        client = client_of(p)
+        llm = reference_llama(smollm2, n_ctx=2048, verbose=False)
+        histories: list[list[dict]] = [[] for _ in conversations]
+        for turn in range(2):
+            for history, questions in zip(histories, conversations):
+                history.append({"role": "user", "content": questions[turn]})
+                want = llm.create_chat_completion(history, temperature=0, max_tokens=MAX_TOKENS)
+                got = client.chat.completions.create(model=smollm2.name, messages=history, temperature=0,
+                                                     max_tokens=MAX_TOKENS)
+                assert got.choices[0].message.content == want["choices"][0]["message"]["content"]
+                history.append({"role": "assistant", "content": got.choices[0].message.content})
+        llm.close()
+        for status in statuses(p):
+            assert len(status.resident_prefixes) <= 1
+    finally:
+        p.stop()
+
+
+def test_a_stage_that_lost_its_prefixes_makes_the_head_prefill_in_full_with_the_same_text(pipeline, smollm2):
+    client = client_of(pipeline)
+    turns = ["Tell me a fact about cats.", "Tell me one more."]
+    expected = reference_chat(smollm2, turns)
+    first = client.chat.completions.create(model=smollm2.name, messages=[{"role": "user", "content": turns[0]}],
+                                           temperature=0, max_tokens=MAX_TOKENS)
+    os.kill(pipeline.procs[2].pid, signal.SIGKILL)  # the final stage comes back empty: no resident prefixes
+    pipeline.procs[2].wait()
+    pipeline.restart(2)
+    pipeline.wait_serving(180)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            second = client.chat.completions.create(
+                model=smollm2.name, temperature=0, max_tokens=MAX_TOKENS,
+                messages=[{"role": "user", "content": turns[0]},
+                          {"role": "assistant", "content": first.choices[0].message.content},
+                          {"role": "user", "content": turns[1]}])
+            break
+        except openai.APIStatusError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)  # the head may still see the restarted edge as down
+    assert [first.choices[0].message.content, second.choices[0].message.content] == expected
+    assert second.usage.prompt_tokens_details.cached_tokens == 0  # the miss fell back to a full prefill
+
+
+def test_the_head_grpc_generate_reports_the_cached_tokens_of_a_follow_up(pipeline):
+    messages = [pb.ChatMessage(role="user", content="Count from one to three.")]
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+
+        def ask() -> tuple[str, pb.GenerateResponse]:
+            request = pb.GenerateRequest(max_tokens=MAX_TOKENS, messages=messages,
+                                         sampling=pb.SamplingParams(temperature=0.0))
+            pieces, last = [], None
+            for msg in stub.Generate(request, timeout=120):
+                pieces.append(msg.text)
+                last = msg if msg.done else last
+            return "".join(pieces), last
+
+        text, _ = ask()
+        messages.extend([pb.ChatMessage(role="assistant", content=text),
+                         pb.ChatMessage(role="user", content="Now from four to six.")])
+        _, last = ask()
+    assert 0 < last.cached_tokens < last.prompt_tokens
+
+
+def test_trim_session_cuts_every_stage_in_one_call_and_refuses_by_field(pipeline):
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        entry = pb.BatchEntry(session_id="trim-me", phase=pb.PHASE_PREFILL, positions=range(5),
+                              token_ids=[1, 2, 3, 4, 5], sample_last=True)
+        stub.IterationBatch(pb.IterationBatchRequest(request_id="t", entries=[entry]), timeout=60)
+        reply = stub.TrimSession(pb.TrimSessionRequest(session_id="trim-me", tokens=3), timeout=30)
+        assert [(s.stage_id, s.tokens_before) for s in reply.stages] == [
+            ("stage-0", 5), ("stage-1", 5), ("stage-2", 5)]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.TrimSession(pb.TrimSessionRequest(session_id="trim-me", tokens=4), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens=4" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.TrimSession(pb.TrimSessionRequest(session_id="nobody", tokens=0), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in err.value.details()
+        # the cut session continues at position 3
+        entry = pb.BatchEntry(session_id="trim-me", phase=pb.PHASE_DECODE, positions=[3], token_ids=[7],
+                              sample_last=True)
+        stub.IterationBatch(pb.IterationBatchRequest(request_id="t2", entries=[entry]), timeout=60)
+        stub.DropSession(pb.DropSessionRequest(session_id="trim-me"), timeout=30)
