@@ -124,7 +124,8 @@ def stage_threads(n_stages: int) -> int:
 
 class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
-                 transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False) -> None:
+                 transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False,
+                 kv_unified: bool = True) -> None:
         """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
         again and again, which resident prefixes would answer without a prefill."""
         threads = stage_threads(len(ranges))
@@ -133,7 +134,7 @@ class _Pipeline:
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
             "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
             **({"hop_transport": transport} if transport else {}),
-            **({} if prefix_cache else {"cache_idle_slots": 0}),
+            **({} if prefix_cache else {"cache_idle_slots": 0}), "kv_unified": kv_unified,
         }, return_path=return_path)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
@@ -499,7 +500,7 @@ def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[flo
     for name, enabled in (("with_prefix_cache", True), ("without_prefix_cache", False)):
         (workdir / f"chat-{name}").mkdir()
         pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], workdir / f"chat-{name}", cache_dir,
-                             prefix_cache=enabled)
+                             prefix_cache=enabled, kv_unified=False)
         try:
             pipeline.chat_ttft(["Hello."], 1)  # warm
             for _ in range(DECODE_ROUNDS):

@@ -31,7 +31,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from skippy_stage.errors import CapacityError, PrefixMissError, SessionStateError, UnknownSessionError
+from skippy_stage.errors import (
+    CapacityError,
+    InvalidRequestError,
+    PrefixMissError,
+    SessionStateError,
+    UnknownSessionError,
+)
 
 
 @dataclass
@@ -116,11 +122,13 @@ class LaneTable:
         cache_idle_slots: int | None,
         reset: ResetFn,
         trim: TrimFn | None = None,
+        resident_slots: int | None = None,
         owner: str = "this stage",
         lane_limit_hint: str = "",
     ) -> None:
         """``lane_limit_hint`` names the setting that raises ``cells_per_lane``, for refusals.
-        Without ``trim`` no session retires: there is no way to reuse a prefix in part."""
+        ``resident_slots`` bounds the resident prefixes (unset: the idle bound); without ``trim``
+        none is kept, since there is no way to reuse a prefix in part, nor to trim a session."""
         self.owner = owner
         self.lane_limit_hint = lane_limit_hint
         self.lane_count = lane_count
@@ -129,6 +137,7 @@ class LaneTable:
         self.idle_bound = lane_count if cache_idle_slots is None else cache_idle_slots
         self._reset = reset
         self._trim = trim
+        self.resident_slots = self.idle_bound if resident_slots is None else resident_slots
         self._resident: OrderedDict[str, SessionLane] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionLane] = {}
@@ -297,14 +306,14 @@ class LaneTable:
             s = self._sessions.pop(session_id, None)
             if s is None:
                 raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on this stage")
-            if self._trim is None or self.idle_bound <= 0 or s.n_tokens == 0:
+            if self._trim is None or self.resident_slots <= 0 or s.n_tokens == 0:
                 keep = False
             else:
                 keep = True
                 s.last_used = time.monotonic()
                 self._resident[session_id] = s
                 evicted = []
-                while len(self._resident) > self.idle_bound:
+                while len(self._resident) > self.resident_slots:
                     _, oldest = self._resident.popitem(last=False)
                     evicted.append(oldest)
         if not keep:
@@ -313,18 +322,23 @@ class LaneTable:
             self._reset_and_place(oldest)
         return DropResult(session_id, s.lane, s.n_tokens, 0.0, discarded=False)
 
-    def trim(self, session_id: str, n_tokens: int) -> SessionLane:
-        """Cut a live session back to its first ``n_tokens`` (the caller has trimmed the KV)."""
+    def trim(self, session_id: str, n_tokens: int) -> int:
+        """Cut a live session back to its first ``n_tokens``, its KV with the injected ``trim``
+        (under the lock: the caller serialises it with its decodes); returns what it held."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None:
-                raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on this stage")
+                raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on {self.owner}")
             if not 0 <= n_tokens <= s.n_tokens:
-                raise SessionStateError(f"tokens={n_tokens} for session_id={session_id!r}: "
-                                        f"the session holds {s.n_tokens}")
+                raise InvalidRequestError(f"tokens={n_tokens} for session_id={session_id!r}: the session holds "
+                                          f"{s.n_tokens} on {self.owner}")
+            before = s.n_tokens
+            if n_tokens < before and (self._trim is None or not self._try_trim(s.lane, n_tokens)):
+                raise InvalidRequestError(f"tokens={n_tokens} for session_id={session_id!r}: this model's state "
+                                          f"cannot be cut back on {self.owner} (recurrent layers)")
             s.n_tokens = n_tokens
             s.last_used = time.monotonic()
-            return SessionLane(s.session_id, s.lane, s.n_tokens, s.last_used)
+            return before
 
     def resident_prefixes(self) -> set[str]:
         with self._lock:

@@ -20,6 +20,8 @@ way round). Neither is ever held across a network call: the runtime makes none.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -31,12 +33,19 @@ import numpy as np
 import structlog
 
 from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
-from skippy_stage.errors import CapacityError, ConfigError, InvalidRequestError, RuntimeFailure, UnknownSessionError
+from skippy_stage.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequestError,
+    RuntimeFailure,
+    SessionStateError,
+    UnknownSessionError,
+)
 from skippy_stage.model import llama_ffi, loader
 from skippy_stage.model.capture import Capture, LayerTap, make_capture
 from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
 from skippy_stage.model.sampling import SamplerChain, SamplingParams
-from skippy_stage.model.slicing import read_model_info
+from skippy_stage.model.slicing import MANIFEST_SUFFIX, read_model_info
 from skippy_stage.model.stage_file import resolve_context_size, resolve_stage_file
 from skippy_stage.model.tokenizer import Tokenizer
 from skippy_stage.model.ubatch import compute_order
@@ -88,6 +97,33 @@ class _Checked:
 class _SessionSampler:
     chain: SamplerChain
     accepted: int  # number of history tokens already fed to the chain
+
+
+KV_PAGE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KvPageDesc:
+    """What a KV page was cut from: an import checks each field against the importing stage."""
+
+    version: int
+    model_digest: str  # sha256 of the stage file
+    layer_start: int
+    layer_end: int
+    n_tokens: int
+    cache_type_k: str
+    cache_type_v: str
+    n_ctx: int  # cells of the context it came from (informational: the lane must hold n_tokens)
+
+
+@dataclass(frozen=True)
+class KvPage:
+    """One session's KV for this stage's layers (``llama_state_seq_get_data``), and the tokens
+    it holds (the final stage's sampler needs them for repetition penalties)."""
+
+    descriptor: KvPageDesc
+    data: bytes
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,22 +182,27 @@ class StageRuntime:
         self._equal_split = not config.kv_unified
         self._alloc_batch()
         self._compute = threading.Lock()
-        # A recurrent state cannot be cut back to a prefix: such models keep no resident prefixes.
-        self.keeps_prefixes = not (llama_cpp.llama_model_is_recurrent(self._model)
-                                   or llama_cpp.llama_model_is_hybrid(self._model))
+        # A recurrent state cannot be cut back. And in a unified KV pool a resident prefix's cells sit
+        # among the live sessions' and llama.cpp's vectorised attention sums round differently
+        # (README, kv_unified): requests that never touch the prefix would stop matching the unsplit
+        # model. So resident prefixes need separate lanes.
+        cuttable = not (llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model))
+        self.keeps_prefixes = cuttable and not config.kv_unified
         self.lanes = LaneTable(
             lane_count=config.lane_count,
             cells_per_lane=self.cells_per_lane,
             kv_pool_tokens=self.n_ctx,
             cache_idle_slots=config.cache_idle_slots,
             reset=self._reset_lane,
-            trim=self._trim_lane if self.keeps_prefixes else None,
+            trim=self._trim_lane if cuttable else None,
+            resident_slots=None if self.keeps_prefixes else 0,
             owner=f"stage {config.stage_id}",
             lane_limit_hint=self.session_limit_hint,
         )
         self._samplers: dict[str, _SessionSampler] = {}
         self._history: dict[str, list[int]] = {}
-        self._resident_history: dict[str, list[int]] = {}  # by prefix id, for the sampler's penalties
+        self._resident_history: dict[str, list[int]] = {}
+        self._digest: str | None = None  # by prefix id, for the sampler's penalties
         self.load_report = LoadReport(path, built, slice_seconds, time.perf_counter() - started)
         self.log.info(
             "stage loaded",
@@ -437,6 +478,76 @@ class StageRuntime:
     def _trim_lane(self, lane: int, keep: int) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, keep, -1))
 
+    def model_digest(self) -> str:
+        """sha256 of the stage file: from the slice cache's manifest when there is one, else read
+        once (a whole-model stage) and remembered."""
+        if self._digest is None:
+            manifest = self.load_path.with_name(self.load_path.name + MANIFEST_SUFFIX)
+            try:
+                self._digest = str(json.loads(manifest.read_text())["sha256"])
+            except (OSError, ValueError, KeyError):
+                h = hashlib.sha256()
+                with self.load_path.open("rb") as f:
+                    while chunk := f.read(8 << 20):
+                        h.update(chunk)
+                self._digest = h.hexdigest()
+        return self._digest
+
+    def page_descriptor(self, n_tokens: int) -> KvPageDesc:
+        cfg = self.config
+        return KvPageDesc(KV_PAGE_VERSION, self.model_digest(), cfg.layer_start, cfg.layer_end, n_tokens,
+                          cfg.cache_type_k, cfg.cache_type_v, self.n_ctx)
+
+    def export_session(self, session_id: str, max_bytes: int) -> KvPage:
+        """A live session's KV on this stage, as a page another stage of the same layers imports."""
+        with self._compute:
+            bound = self.lanes.lane_of(session_id)
+            if bound is None:
+                raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on stage {self.config.stage_id}")
+            size = int(llama_cpp.llama_state_seq_get_size(self._ctx, bound.lane))
+            if size > max_bytes:
+                raise CapacityError(f"session_id={session_id!r}: its KV page is {size} bytes on stage "
+                                    f"{self.config.stage_id}, more than max_message_bytes={max_bytes}")
+            buf = (ctypes.c_uint8 * size)()
+            written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, bound.lane))
+            if written == 0:
+                raise RuntimeFailure(f"llama.cpp exported no KV state for session_id={session_id!r}")
+            # The final stage's history may end with the token it sampled last, not yet fed: the
+            # page holds what the KV holds, and the step that feeds that token adds it back.
+            history = tuple(self._history.get(session_id, ())[: bound.n_tokens])
+        return KvPage(self.page_descriptor(bound.n_tokens), bytes(buf)[:written], history)
+
+    def import_session(self, session_id: str, page: KvPage) -> int:
+        """Bind ``session_id`` to a lane holding ``page``'s KV; refuses a page cut from anything else,
+        naming the field. Returns the tokens the session now holds."""
+        want = self.page_descriptor(page.descriptor.n_tokens)
+        got = page.descriptor
+        for name in ("version", "model_digest", "layer_start", "layer_end", "cache_type_k", "cache_type_v"):
+            if getattr(got, name) != getattr(want, name):
+                raise InvalidRequestError(f"page.descriptor.{name}={getattr(got, name)!r} does not match stage "
+                                          f"{self.config.stage_id}'s {name}={getattr(want, name)!r}")
+        if got.n_tokens <= 0:
+            raise InvalidRequestError(f"page.descriptor.n_tokens={got.n_tokens} must be positive")
+        if page.token_ids and len(page.token_ids) != got.n_tokens:
+            raise InvalidRequestError(f"page.token_ids has {len(page.token_ids)} tokens for "
+                                      f"page.descriptor.n_tokens={got.n_tokens}")
+        with self._compute:
+            if self.lanes.lane_of(session_id) is not None:
+                raise SessionStateError(f"session_id={session_id!r} is already bound on stage {self.config.stage_id}")
+            lanes, new = self.lanes.admit([Admission(session_id, 0, got.n_tokens)])
+            buf = (ctypes.c_uint8 * len(page.data)).from_buffer_copy(page.data)
+            read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(page.data), lanes[session_id]))
+            if read == 0:
+                self.lanes.release(new)
+                raise InvalidRequestError(f"page.data ({len(page.data)} bytes) is not a KV state llama.cpp "
+                                          f"accepts on stage {self.config.stage_id}")
+            self.lanes.advance(session_id, got.n_tokens)
+            if page.token_ids:
+                self._history[session_id] = list(page.token_ids)
+        self.log.info("session imported", session_id=session_id, lane=lanes[session_id], tokens=got.n_tokens,
+                      page_bytes=len(page.data))
+        return got.n_tokens
+
     def retire_session(self, session_id: str) -> DropResult:
         """End a session, keeping its KV as a resident prefix a later session may take (a plain
         drop for models that keep none, or when ``cache_idle_slots`` is 0)."""
@@ -457,23 +568,14 @@ class StageRuntime:
         """Cut a session back to its first ``n_tokens`` (speculative rollback, an edited chat);
         returns the tokens it held before."""
         with self._compute:
-            bound = self.lanes.lane_of(session_id)
-            if bound is None:
-                raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on stage {self.config.stage_id}")
-            if not 0 <= n_tokens <= bound.n_tokens:
-                raise InvalidRequestError(f"tokens={n_tokens} for session_id={session_id!r}: the session holds "
-                                          f"{bound.n_tokens} on stage {self.config.stage_id}")
-            if n_tokens < bound.n_tokens and not self._trim_lane(bound.lane, n_tokens):
-                raise InvalidRequestError(f"tokens={n_tokens} for session_id={session_id!r}: this model's state "
-                                          f"(recurrent) cannot be cut back on stage {self.config.stage_id}")
-            self.lanes.trim(session_id, n_tokens)
+            before = self.lanes.trim(session_id, n_tokens)
             history = self._history.get(session_id)
             if history is not None:
                 del history[n_tokens:]
             state = self._samplers.pop(session_id, None)  # rebuilt from the cut history when next used
             if state is not None:
                 state.chain.close()
-        return bound.n_tokens
+        return before
 
     def drop_session(self, session_id: str) -> DropResult:
         """Free a session, or a resident prefix of that id."""

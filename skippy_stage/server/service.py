@@ -206,6 +206,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                                          keep_prefix=request.keep_prefix))
 
     @_unary
+    def ExportSession(self, request, context):  # noqa: N802
+        return codec.page_to_pb(self.stage.export_session(request.session_id))
+
+    @_unary
+    def ImportSession(self, request, context):  # noqa: N802
+        tokens = self.stage.import_session(request.session_id, codec.page_from_pb(request.page))
+        return pb.ImportSessionResponse(tokens=tokens)
+
+    @_unary
     def TrimSession(self, request, context):  # noqa: N802
         return codec.trims_to_pb(self.stage.trim_session(request.session_id, request.tokens, context.time_remaining()))
 

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from skippy_stage.model.lanes import LaneRow, LaneStats, ResidentRow
+from skippy_stage.model.runtime import KvPage, KvPageDesc
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.stage import wire
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
@@ -251,3 +252,17 @@ def trims_to_pb(trims: Sequence[StageTrim]) -> pb.TrimSessionResponse:
 
 def trims_from_pb(msg: pb.TrimSessionResponse) -> list[StageTrim]:
     return [StageTrim(t.stage_id, t.tokens_before) for t in msg.stages]
+
+
+def page_to_pb(page: KvPage) -> pb.KvPage:
+    d = page.descriptor
+    return pb.KvPage(descriptor=pb.KvPageDesc(
+        version=d.version, model_digest=d.model_digest, layer_start=d.layer_start, layer_end=d.layer_end,
+        n_tokens=d.n_tokens, cache_type_k=d.cache_type_k, cache_type_v=d.cache_type_v, n_ctx=d.n_ctx),
+        data=page.data, token_ids=list(page.token_ids))
+
+
+def page_from_pb(msg: pb.KvPage) -> KvPage:
+    d = msg.descriptor
+    return KvPage(KvPageDesc(d.version, d.model_digest, d.layer_start, d.layer_end, d.n_tokens, d.cache_type_k,
+                             d.cache_type_v, d.n_ctx), bytes(msg.data), tuple(msg.token_ids))

@@ -253,7 +253,7 @@ class LocalDownstream:
                                   code_name=_RELAYED_CODES.get(code, "UNAVAILABLE")) from None
 
     def drop_session(self, session_id: str, remaining: float | None, keep_prefix: bool = False) -> list[StageDrop]:
-        return self._call(self.target.drop_session, session_id, remaining, keep_prefix)
+        return self._call(lambda: self.target.drop_session(session_id, remaining, keep_prefix=keep_prefix))
 
     def trim_session(self, session_id: str, tokens: int, remaining: float | None) -> list[StageTrim]:
         return self._call(self.target.trim_session, session_id, tokens, remaining)

@@ -40,7 +40,7 @@ from skippy_stage.errors import (
     UnknownSessionError,
 )
 from skippy_stage.metrics import StageMetrics
-from skippy_stage.model.runtime import StageRuntime
+from skippy_stage.model.runtime import KvPage, StageRuntime
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.security import Credentials
 from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream
@@ -635,6 +635,15 @@ class Stage:
         if downstream is not None:
             stages.extend(downstream.trim_session(session_id, tokens, remaining_s))
         return stages
+
+    def export_session(self, session_id: str) -> KvPage:
+        """This stage's KV of a live session, as a page (for a stand-in of the same layers)."""
+        return self.require_runtime().export_session(session_id, self.config.max_message_bytes)
+
+    def import_session(self, session_id: str, page: KvPage) -> int:
+        if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
+            raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")
+        return self.require_runtime().import_session(session_id, page)
 
     def status(self) -> StageReport:
         cfg = self.config

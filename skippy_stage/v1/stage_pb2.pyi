@@ -277,6 +277,56 @@ class TrimSessionResponse(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StageTrim]
     def __init__(self, stages: _Optional[_Iterable[_Union[StageTrim, _Mapping]]] = ...) -> None: ...
 
+class KvPageDesc(_message.Message):
+    __slots__ = ("version", "model_digest", "layer_start", "layer_end", "n_tokens", "cache_type_k", "cache_type_v", "n_ctx")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TYPE_K_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TYPE_V_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    model_digest: str
+    layer_start: int
+    layer_end: int
+    n_tokens: int
+    cache_type_k: str
+    cache_type_v: str
+    n_ctx: int
+    def __init__(self, version: _Optional[int] = ..., model_digest: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., n_tokens: _Optional[int] = ..., cache_type_k: _Optional[str] = ..., cache_type_v: _Optional[str] = ..., n_ctx: _Optional[int] = ...) -> None: ...
+
+class KvPage(_message.Message):
+    __slots__ = ("descriptor", "data", "token_ids")
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    descriptor: KvPageDesc
+    data: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, descriptor: _Optional[_Union[KvPageDesc, _Mapping]] = ..., data: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExportSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ImportSessionRequest(_message.Message):
+    __slots__ = ("session_id", "page")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    page: KvPage
+    def __init__(self, session_id: _Optional[str] = ..., page: _Optional[_Union[KvPage, _Mapping]] = ...) -> None: ...
+
+class ImportSessionResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    def __init__(self, tokens: _Optional[int] = ...) -> None: ...
+
 class ResidentPrefix(_message.Message):
     __slots__ = ("prefix_id", "lane", "tokens", "age_s")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,16 @@ class StageServiceStub:
                 request_serializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionRequest.SerializeToString,
                 response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionResponse.FromString,
                 _registered_method=True)
+        self.ExportSession = channel.unary_unary(
+                '/skippy.stage.v1.StageService/ExportSession',
+                request_serializer=skippy__stage_dot_v1_dot_stage__pb2.ExportSessionRequest.SerializeToString,
+                response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.KvPage.FromString,
+                _registered_method=True)
+        self.ImportSession = channel.unary_unary(
+                '/skippy.stage.v1.StageService/ImportSession',
+                request_serializer=skippy__stage_dot_v1_dot_stage__pb2.ImportSessionRequest.SerializeToString,
+                response_deserializer=skippy__stage_dot_v1_dot_stage__pb2.ImportSessionResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/skippy.stage.v1.StageService/GetStatus',
                 request_serializer=skippy__stage_dot_v1_dot_stage__pb2.GetStatusRequest.SerializeToString,
@@ -134,6 +144,20 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSession(self, request, context):
+        """This stage only: a live session's KV for its layers as a page, and the way back in (under
+        a session id of the importer's choice) on a stage of the same stage file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -189,6 +213,16 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.TrimSession,
                     request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionRequest.FromString,
                     response_serializer=skippy__stage_dot_v1_dot_stage__pb2.TrimSessionResponse.SerializeToString,
+            ),
+            'ExportSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportSession,
+                    request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.ExportSessionRequest.FromString,
+                    response_serializer=skippy__stage_dot_v1_dot_stage__pb2.KvPage.SerializeToString,
+            ),
+            'ImportSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportSession,
+                    request_deserializer=skippy__stage_dot_v1_dot_stage__pb2.ImportSessionRequest.FromString,
+                    response_serializer=skippy__stage_dot_v1_dot_stage__pb2.ImportSessionResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -368,6 +402,60 @@ class StageService:
             '/skippy.stage.v1.StageService/TrimSession',
             skippy__stage_dot_v1_dot_stage__pb2.TrimSessionRequest.SerializeToString,
             skippy__stage_dot_v1_dot_stage__pb2.TrimSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skippy.stage.v1.StageService/ExportSession',
+            skippy__stage_dot_v1_dot_stage__pb2.ExportSessionRequest.SerializeToString,
+            skippy__stage_dot_v1_dot_stage__pb2.KvPage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skippy.stage.v1.StageService/ImportSession',
+            skippy__stage_dot_v1_dot_stage__pb2.ImportSessionRequest.SerializeToString,
+            skippy__stage_dot_v1_dot_stage__pb2.ImportSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

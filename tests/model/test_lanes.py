@@ -12,7 +12,13 @@ from collections.abc import Iterable
 
 import pytest
 
-from skippy_stage.errors import CapacityError, PrefixMissError, SessionStateError, UnknownSessionError
+from skippy_stage.errors import (
+    CapacityError,
+    InvalidRequestError,
+    PrefixMissError,
+    SessionStateError,
+    UnknownSessionError,
+)
 from skippy_stage.model.lanes import Admission, LaneStats, LaneTable
 
 
@@ -578,9 +584,9 @@ def test_without_a_trim_or_with_no_idle_slots_a_retired_session_is_dropped():
 def test_trim_cuts_a_session_back_and_refuses_a_count_past_what_it_holds():
     table, _, _ = prefix_table()
     run(table, "a", 10)
-    assert table.trim("a", 4).n_tokens == 4
+    assert table.trim("a", 4) == 10
     assert table.next_position("a") == 4
-    with pytest.raises(SessionStateError, match="tokens=5 for session_id='a': the session holds 4"):
+    with pytest.raises(InvalidRequestError, match="tokens=5 for session_id='a': the session holds 4 on stage-0"):
         table.trim("a", 5)
     with pytest.raises(UnknownSessionError):
         table.trim("nobody", 0)

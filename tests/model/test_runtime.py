@@ -15,6 +15,7 @@ sampler chain at the final stage are specified here too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 from support.chain import Chain, Step, split_configs
 
 from skippy_stage.errors import CapacityError, InvalidRequestError, SessionStateError, UnknownSessionError
-from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.runtime import BatchEntry, KvPage, StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 
 N_BATCH = 64
@@ -448,3 +449,45 @@ def forced_then_greedy(chain: Chain, session_id: str, start: int, forced: list[i
         (out,) = chain.step([Step(session_id, start + len(forced) + i, [tokens[-1]], want_logits=False)])
         tokens.append(out.token)
     return tokens
+
+
+def test_a_session_exported_from_every_stage_and_imported_under_a_new_id_continues_identically(smollm2, slice_cache):
+    """KV pages: each stage's part of session ``s`` becomes session ``t`` on the same stage; both
+    then decode the same tokens, one session at a time (the same batch shapes)."""
+    chain = Chain(split_configs(smollm2, [(0, 10), (10, 20), (20, 30)], slice_cache, kv_unified=False))
+    try:
+        prompt = chain.head.tokenizer.tokenize("Once upon a time", add_special=True, parse_special=False)
+        _, by_session = chain.greedy({"s": prompt}, 4)
+        held = len(prompt) + 3
+        pages = [stage.export_session("s", 1 << 26) for stage in chain.stages]
+        assert [p.descriptor.n_tokens for p in pages] == [held] * 3
+        assert [(p.descriptor.layer_start, p.descriptor.layer_end) for p in pages] == [(0, 10), (10, 20), (20, 30)]
+        assert [stage.import_session("t", page) for stage, page in zip(chain.stages, pages)] == [held] * 3
+        last = by_session["s"][-1]
+        assert forced_then_greedy(chain, "t", held, [last], 5) == forced_then_greedy(chain, "s", held, [last], 5)
+    finally:
+        chain.close()
+
+
+def test_a_page_import_is_refused_by_the_field_that_does_not_match(smollm2, slice_cache):
+    chain = Chain(split_configs(smollm2, [(0, 10), (10, 20), (20, 30)], slice_cache, kv_unified=False))
+    try:
+        prompt = chain.head.tokenizer.tokenize("Hello there", add_special=True, parse_special=False)
+        chain.greedy({"s": prompt}, 2)
+        page = chain.stages[1].export_session("s", 1 << 26)
+        with pytest.raises(InvalidRequestError, match="page.descriptor.model_digest=.* does not match stage stage-2"):
+            chain.stages[2].import_session("t", page)
+        for field, value in (("layer_start", 20), ("cache_type_k", "q8_0"), ("model_digest", "0" * 64)):
+            bad = KvPage(dataclasses.replace(page.descriptor, **{field: value}), page.data, page.token_ids)
+            with pytest.raises(InvalidRequestError, match=f"page.descriptor.{field}={value!r} does not match"):
+                chain.stages[1].import_session("t", bad)
+        truncated = KvPage(page.descriptor, page.data[: len(page.data) // 2], page.token_ids)
+        with pytest.raises(InvalidRequestError, match="is not a KV state llama.cpp accepts"):
+            chain.stages[1].import_session("t", truncated)
+        with pytest.raises(SessionStateError, match="already bound"):
+            chain.stages[1].import_session("s", page)
+        assert chain.stages[1].stats().active_sessions == 1  # only "s": no refused import kept a lane
+        with pytest.raises(CapacityError, match="more than max_message_bytes=16"):
+            chain.stages[1].export_session("s", 16)
+    finally:
+        chain.close()

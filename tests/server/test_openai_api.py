@@ -167,7 +167,12 @@ def test_completions_greedy_equal_llama_cpp_create_completion(client, reference)
     assert chunks[-1].choices[0].finish_reason == expected["choices"][0]["finish_reason"] == "stop"
 
 
-def test_concurrent_clients_get_what_sequential_calls_get(client):
+def test_concurrent_clients_get_what_sequential_calls_get(start_pipeline, smollm2):
+    """Without resident prefixes (cache_idle_slots 0): with them, how much of a prompt a request
+    finds cached depends on what ran before it, and a shorter suffix prefill is another batch shape
+    (README, resident prefixes), as with llama-cpp-python's own single-cache reuse."""
+    pipeline, base_url = start_api(start_pipeline, smollm2, cache_idle_slots=0)
+    client = client_for(base_url)
     calls = [("chat", m) for m in CHATS] + [("completion", p) for p in PROMPTS] + [("chat", CHATS[0])]
 
     def call(item: tuple[str, object]) -> str:
@@ -178,9 +183,12 @@ def test_concurrent_clients_get_what_sequential_calls_get(client):
             return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         return client.completions.create(model="m", prompt=payload, temperature=0, max_tokens=24).choices[0].text
 
-    sequential = [call(item) for item in calls]
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        concurrent = list(pool.map(call, calls))
+    try:
+        sequential = [call(item) for item in calls]
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            concurrent = list(pool.map(call, calls))
+    finally:
+        pipeline.stop()
     assert concurrent == sequential
     assert len(set(sequential)) > 1
 

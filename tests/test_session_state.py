@@ -1,4 +1,5 @@
-"""Resident prefixes: a chat's next turn starts from the KV its previous turn left behind.
+"""Session state that outlives a request, on a real 3-stage pipeline: resident prefixes (a chat's
+next turn starts from the KV its previous turn left behind), TrimSession, and KV pages.
 
 The reference is llama-cpp-python's ``Llama`` fed the same requests in the same order: it
 keeps the KV of its previous prompt and reuses the longest common prefix, which is the rule
@@ -192,3 +193,31 @@ def test_trim_session_cuts_every_stage_in_one_call_and_refuses_by_field(pipeline
                               sample_last=True)
         stub.IterationBatch(pb.IterationBatchRequest(request_id="t2", entries=[entry]), timeout=60)
         stub.DropSession(pb.DropSessionRequest(session_id="trim-me"), timeout=30)
+
+
+def test_export_and_import_over_grpc_fork_a_session_on_a_stage_and_refuse_a_foreign_page(pipeline):
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        head = pb_grpc.StageServiceStub(channel)
+        entry = pb.BatchEntry(session_id="page-me", phase=pb.PHASE_PREFILL, positions=range(4),
+                              token_ids=[1, 2, 3, 4], sample_last=True)
+        head.IterationBatch(pb.IterationBatchRequest(request_id="p", entries=[entry]), timeout=60)
+        stage1 = f"127.0.0.1:{pipeline.configs[1]['bind_addr'].rsplit(':', 1)[1]}"
+        with grpc.insecure_channel(stage1) as channel1:
+            stub = pb_grpc.StageServiceStub(channel1)
+            page = stub.ExportSession(pb.ExportSessionRequest(session_id="page-me"), timeout=30)
+            assert (page.descriptor.layer_start, page.descriptor.layer_end, page.descriptor.n_tokens) == (10, 20, 4)
+            assert len(page.descriptor.model_digest) == 64 and page.data
+            reply = stub.ImportSession(pb.ImportSessionRequest(session_id="page-copy", page=page), timeout=30)
+            assert reply.tokens == 4
+            foreign = pb.KvPage()
+            foreign.CopyFrom(page)
+            foreign.descriptor.layer_end = 30
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ImportSession(pb.ImportSessionRequest(session_id="page-other", page=foreign), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "page.descriptor.layer_end=30" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ExportSession(pb.ExportSessionRequest(session_id="nobody"), timeout=30)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            stub.DropSession(pb.DropSessionRequest(session_id="page-copy"), timeout=30)
+        head.DropSession(pb.DropSessionRequest(session_id="page-me"), timeout=30)
