@@ -95,7 +95,8 @@ def test_a_four_turn_chat_over_three_stages_reuses_each_turn_and_equals_llama(pi
               - metric(before, "skippy_prefix_cache_tokens_reused_total"))
     assert hits >= 3 and reused >= sum(cached[1:])
     for status in statuses(pipeline):  # every stage keeps the last turn's KV, under the same id
-        assert [p.tokens > 0 for p in status.resident_prefixes] and status.active_sessions == 0
+        assert status.resident_prefixes and all(p.tokens > 0 for p in status.resident_prefixes)
+        assert status.active_sessions == 0
     assert len({tuple(sorted(p.prefix_id for p in s.resident_prefixes)) for s in statuses(pipeline)}) == 1
 
 
@@ -131,6 +132,7 @@ def test_a_stage_that_lost_its_prefixes_makes_the_head_prefill_in_full_with_the_
     expected = reference_chat(smollm2, turns)
     first = client.chat.completions.create(model=smollm2.name, messages=[{"role": "user", "content": turns[0]}],
                                            temperature=0, max_tokens=MAX_TOKENS)
+    misses_before = metric(scrape(pipeline.metrics_ports[0]), "skippy_prefix_cache_misses_total")
     os.kill(pipeline.procs[2].pid, signal.SIGKILL)  # the final stage comes back empty: no resident prefixes
     pipeline.procs[2].wait()
     pipeline.restart(2)
@@ -150,6 +152,8 @@ def test_a_stage_that_lost_its_prefixes_makes_the_head_prefill_in_full_with_the_
             time.sleep(0.5)  # the head may still see the restarted edge as down
     assert [first.choices[0].message.content, second.choices[0].message.content] == expected
     assert second.usage.prompt_tokens_details.cached_tokens == 0  # the miss fell back to a full prefill
+    # the head named the first turn's prefix, which the restarted stage no longer held
+    assert metric(scrape(pipeline.metrics_ports[0]), "skippy_prefix_cache_misses_total") > misses_before
 
 
 def test_the_head_grpc_generate_reports_the_cached_tokens_of_a_follow_up(pipeline):

@@ -30,6 +30,7 @@ import structlog
 from skippy_stage.errors import (
     CapacityError,
     DownstreamError,
+    PrefixMissError,
     RuntimeFailure,
     SkippyError,
     UnknownSessionError,
@@ -277,7 +278,10 @@ class Scheduler:
             task.prefix_id = None
             self._drop_quietly(task.session_id)
             return
-        fed = task.history if task.history else list(task.to_feed[: task.prefilled])
+        # What the stages hold: the part of the prompt (or replay) prefilled so far, or, once it all
+        # was, every token fed since.
+        feed = task.to_feed
+        fed = list(feed[: task.prefilled]) if task.prefilled < len(feed) or not task.history else task.history
         if self._retire is not None and self.prefixes is not None and not task.failed and fed \
                 and task.recovering is None and task.prefix_id is None:
             try:
@@ -414,13 +418,26 @@ class Scheduler:
             self.log.warning("step failed", request_id=request.request_id, error=str(exc),
                              recovering=recoverable or miss, prefix_miss=miss, sessions=[t.session_id for t, _ in plan])
             lost = []
-            for task, _ in plan:
-                if miss:
+            if isinstance(exc, PrefixMissError):
+                # This stage refused the batch before running any of it: only the sessions that named
+                # a prefix start over, under the same id, from position 0.
+                for task, _ in plan:
                     if task.prefix_id is not None:
                         self._on_prefix("miss", 0)
                         lost.append(task.prefix_id)
+                        task.prefix_id, task.cached_tokens, task.prefilled = None, 0, 0
+                for prefix_id in lost:
+                    self._drop_quietly(prefix_id)
+                return
+            for task, _ in plan:
+                if task.prefix_id is not None:  # the step that would have carried it did not get through
+                    self._on_prefix("miss", 0)
+                    lost.append(task.prefix_id)
                     task.prefix_id, task.cached_tokens = None, 0
+                if miss:
                     task.recovering = exc
+                    if task.failing_since is None:
+                        task.failing_since = time.monotonic()
                 elif recoverable:
                     task.recovering = exc
                     if task.failing_since is None:

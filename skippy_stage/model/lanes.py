@@ -262,13 +262,15 @@ class LaneTable:
                 self._evict_locked(victim)
             bound_now: list[str] = []
             try:
-                for a in new:
+                # Prefixes first: a fresh session's lane may come from evicting a resident, never
+                # one this batch claims.
+                for a in sorted(new, key=lambda a: a.prefix_id is None):
                     if a.prefix_id is not None:
                         self._bind_prefix_locked(a)
                     else:
                         self._sessions[a.session_id] = SessionLane(a.session_id, self._take_lane())
                     bound_now.append(a.session_id)
-            except (CapacityError, PrefixMissError):
+            except BaseException:
                 for session_id in bound_now:
                     s = self._sessions.pop(session_id)
                     # a prefix's lane still holds its kept tokens: reset it; a fresh one is clean
@@ -311,6 +313,9 @@ class LaneTable:
             else:
                 keep = True
                 s.last_used = time.monotonic()
+                stale = self._resident.pop(session_id, None)  # an id reused after it retired once
+                if stale is not None:
+                    self._place_locked(stale.lane, clean=self._try_reset(stale.lane))
                 self._resident[session_id] = s
                 evicted = []
                 while len(self._resident) > self.resident_slots:

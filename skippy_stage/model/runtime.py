@@ -188,6 +188,8 @@ class StageRuntime:
         # model. So resident prefixes need separate lanes.
         cuttable = not (llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model))
         self.keeps_prefixes = cuttable and not config.kv_unified
+        self._cuttable = cuttable
+        self._swa_window = int(llama_cpp.llama_model_n_swa(self._model))
         self.lanes = LaneTable(
             lane_count=config.lane_count,
             cells_per_lane=self.cells_per_lane,
@@ -476,6 +478,12 @@ class StageRuntime:
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, -1, -1))
 
     def _trim_lane(self, lane: int, keep: int) -> bool:
+        """Cut a lane back to ``keep`` tokens, or say it cannot be: a sliding-window cache (unless
+        ``swa_full``) holds only the last window of positions, and the cells a cut leaves in front
+        of ``keep`` may be gone already, which llama.cpp's seq_rm would not report."""
+        if self._swa_window and not self.config.swa_full:
+            if int(llama_cpp.llama_memory_seq_pos_min(self._mem, lane)) > max(0, keep - self._swa_window):
+                return False
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, keep, -1))
 
     def model_digest(self) -> str:
@@ -528,18 +536,35 @@ class StageRuntime:
                                           f"{self.config.stage_id}'s {name}={getattr(want, name)!r}")
         if got.n_tokens <= 0:
             raise InvalidRequestError(f"page.descriptor.n_tokens={got.n_tokens} must be positive")
+        if not self._cuttable:
+            # llama.cpp's recurrent state reader asserts on a malformed page (aborting the process)
+            raise InvalidRequestError(f"page: stage {self.config.stage_id} holds a recurrent model, whose KV "
+                                      f"pages are not imported")
+        if got.n_tokens > self.cells_per_lane:
+            raise InvalidRequestError(f"page.descriptor.n_tokens={got.n_tokens} is more than a lane's "
+                                      f"{self.cells_per_lane} KV cells on stage {self.config.stage_id}")
+        if self.config.include_output and len(page.token_ids) != got.n_tokens:
+            raise InvalidRequestError(f"page.token_ids has {len(page.token_ids)} tokens for "
+                                      f"page.descriptor.n_tokens={got.n_tokens}: the final stage's sampler needs them")
         if page.token_ids and len(page.token_ids) != got.n_tokens:
             raise InvalidRequestError(f"page.token_ids has {len(page.token_ids)} tokens for "
                                       f"page.descriptor.n_tokens={got.n_tokens}")
+        bad = [t for t in page.token_ids if not 0 <= t < self.n_vocab]
+        if bad:
+            raise InvalidRequestError(f"page.token_ids holds {bad[0]}, outside [0, {self.n_vocab})")
         with self._compute:
             if self.lanes.lane_of(session_id) is not None:
                 raise SessionStateError(f"session_id={session_id!r} is already bound on stage {self.config.stage_id}")
             lanes, new = self.lanes.admit([Admission(session_id, 0, got.n_tokens)])
+            lane = lanes[session_id]
             buf = (ctypes.c_uint8 * len(page.data)).from_buffer_copy(page.data)
-            read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(page.data), lanes[session_id]))
-            if read == 0:
-                self.lanes.release(new)
-                raise InvalidRequestError(f"page.data ({len(page.data)} bytes) is not a KV state llama.cpp "
+            read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(page.data), lane))
+            # What llama.cpp restored must be exactly the page's tokens at positions 0..n-1.
+            if (read != len(page.data) or int(llama_cpp.llama_memory_seq_pos_min(self._mem, lane)) != 0
+                    or int(llama_cpp.llama_memory_seq_pos_max(self._mem, lane)) != got.n_tokens - 1):
+                self.lanes.release(new)  # resets the lane
+                raise InvalidRequestError(f"page.data ({len(page.data)} bytes) is not a KV state of "
+                                          f"page.descriptor.n_tokens={got.n_tokens} positions that llama.cpp "
                                           f"accepts on stage {self.config.stage_id}")
             self.lanes.advance(session_id, got.n_tokens)
             if page.token_ids:

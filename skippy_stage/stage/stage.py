@@ -625,15 +625,25 @@ class Stage:
     def trim_session(self, session_id: str, tokens: int, remaining_s: float | None) -> list[StageTrim]:
         """Cut the session back to its first ``tokens`` here and on every stage below, in one call.
 
-        Every stage checks before any cuts (a count past what the session holds is refused by the
-        first stage, which holds as many tokens as any below it)."""
+        A bad count is refused here before any stage cuts (every stage holds the same tokens of a
+        session). If a stage below fails after this one cut, the stages would disagree on the
+        session's length: it is dropped everywhere, and the error says so."""
         if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
             raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")
         before = self.require_runtime().trim_session(session_id, tokens)
         stages = [StageTrim(self.config.stage_id, before)]
         downstream = self.downstream
         if downstream is not None:
-            stages.extend(downstream.trim_session(session_id, tokens, remaining_s))
+            try:
+                stages.extend(downstream.trim_session(session_id, tokens, remaining_s))
+            except DownstreamError as exc:
+                try:
+                    self.drop_session(session_id, remaining_s)
+                except SkippyError:
+                    pass
+                raise DownstreamError(f"{exc}; session_id={session_id!r} was dropped on every stage (a trim that "
+                                      f"half happened would leave them disagreeing)", stage_id=exc.stage_id,
+                                      code_name=exc.code_name) from None
         return stages
 
     def export_session(self, session_id: str) -> KvPage:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from skippy_stage.errors import CapacityError, DownstreamError, SkippyError
+from skippy_stage.errors import CapacityError, DownstreamError, PrefixMissError, SkippyError
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import End, Failed, Scheduler, SchedulerLimits, Task
 from skippy_stage.model.sampling import SamplingParams
@@ -538,5 +538,32 @@ def test_a_stage_that_lost_the_prefix_makes_the_session_prefill_from_scratch(mak
         redo = [e for r in chain.requests for e in r.entries if e.session_id == second.session_id]
         assert second.session_id != "turn-2" and list(redo[0].positions)[0] == 0 and redo[0].prefix_id is None
         chain.wait_dropped("turn-2", "turn-1")  # the half-run session, and the prefix stages below still hold
+    finally:
+        scheduler.close()
+
+
+def test_a_prefix_the_head_stage_itself_no_longer_holds_restarts_only_that_session(make_scheduler):
+    """Stage 0 refuses the whole batch before running any of it: the other sessions go on as
+    they were, the one that named the prefix prefills from 0 under the same id."""
+    def fail(request: Step) -> SkippyError | None:
+        if any(e.prefix_id for e in request.entries):
+            return PrefixMissError("prefix_id='turn-1' is not resident on stage stage-0")
+        return None
+
+    chain, events = FakeChain(fail=fail), []
+    scheduler = make_prefix_scheduler(chain, events)
+    try:
+        first = make_task("turn-1", prompt_len=10, max_tokens=3)
+        scheduler.submit(first)
+        tokens, _ = outcome(first)
+        chain.wait_retired("turn-1")
+        second = Task(session_id="turn-2", prompt=first.prompt + tokens[:2] + [900], sampling=SamplingParams(),
+                      max_tokens=2)
+        scheduler.submit(second)
+        streamed, end = outcome(second)
+        assert isinstance(end, End) and streamed == expected_tokens(second) and second.session_id == "turn-2"
+        entries = [e for r in chain.requests for e in r.entries if e.session_id == "turn-2"]
+        assert entries[0].prefix_id == "turn-1" and list(entries[1].positions)[0] == 0 and entries[1].prefix_id is None
+        assert ("miss", 0) in events[1:]
     finally:
         scheduler.close()

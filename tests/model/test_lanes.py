@@ -590,3 +590,25 @@ def test_trim_cuts_a_session_back_and_refuses_a_count_past_what_it_holds():
         table.trim("a", 5)
     with pytest.raises(UnknownSessionError):
         table.trim("nobody", 0)
+
+
+def test_a_fresh_session_never_takes_the_lane_of_a_prefix_the_same_batch_claims():
+    """Both lanes resident (P the older): a fresh session and one claiming P arrive together."""
+    table, reset, _ = prefix_table(lane_count=2)
+    lanes = {sid: run(table, sid, 10) for sid in ("P", "Q")}
+    table.retire("P")
+    table.retire("Q")
+    got, new = table.admit([Admission("fresh", 0, 3), Admission("next", 5, 2, prefix_id="P")])
+    assert got["next"] == lanes["P"] and got["fresh"] == lanes["Q"] and sorted(new) == ["fresh", "next"]
+    assert reset.calls == [lanes["Q"]] and table.stats().resident == ()
+
+
+def test_retiring_an_id_that_is_already_resident_frees_the_older_lane():
+    table, reset, _ = prefix_table(lane_count=2)
+    first = run(table, "X", 10)
+    table.retire("X")
+    second = run(table, "X", 4)  # the id reused (a fresh lane)
+    table.retire("X")
+    stats = table.stats()
+    assert [(r.prefix_id, r.lane, r.n_tokens) for r in stats.resident] == [("X", second, 4)]
+    assert reset.calls == [first] and stats.idle_lanes + stats.free_lanes == 1

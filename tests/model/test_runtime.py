@@ -482,7 +482,7 @@ def test_a_page_import_is_refused_by_the_field_that_does_not_match(smollm2, slic
             with pytest.raises(InvalidRequestError, match=f"page.descriptor.{field}={value!r} does not match"):
                 chain.stages[1].import_session("t", bad)
         truncated = KvPage(page.descriptor, page.data[: len(page.data) // 2], page.token_ids)
-        with pytest.raises(InvalidRequestError, match="is not a KV state llama.cpp accepts"):
+        with pytest.raises(InvalidRequestError, match="is not a KV state of page.descriptor.n_tokens=3 positions"):
             chain.stages[1].import_session("t", truncated)
         with pytest.raises(SessionStateError, match="already bound"):
             chain.stages[1].import_session("s", page)
