@@ -601,8 +601,7 @@ class Stage:
 
         ``keep_prefix``: each stage keeps the session's KV as a resident prefix instead (the
         head retires a finished session so a later one may start from it)."""
-        if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
-            raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")
+        _check_session_id(session_id)
         runtime = self.require_runtime()
         try:
             result = runtime.retire_session(session_id) if keep_prefix else runtime.drop_session(session_id)
@@ -628,8 +627,7 @@ class Stage:
         A bad count is refused here before any stage cuts (every stage holds the same tokens of a
         session). If a stage below fails after this one cut, the stages would disagree on the
         session's length: it is dropped everywhere, and the error says so."""
-        if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
-            raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")
+        _check_session_id(session_id)
         before = self.require_runtime().trim_session(session_id, tokens)
         stages = [StageTrim(self.config.stage_id, before)]
         downstream = self.downstream
@@ -651,8 +649,7 @@ class Stage:
         return self.require_runtime().export_session(session_id, self.config.max_message_bytes)
 
     def import_session(self, session_id: str, page: KvPage) -> int:
-        if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
-            raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")
+        _check_session_id(session_id)
         return self.require_runtime().import_session(session_id, page)
 
     def status(self) -> StageReport:
@@ -672,3 +669,9 @@ class Stage:
             n_embd=runtime.n_embd if runtime is not None else 0,
             lanes=runtime.stats() if runtime is not None else None,
         )
+
+
+def _check_session_id(session_id: str) -> None:
+    """Refuse an id no lane could be bound to, before any stage is asked."""
+    if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
+        raise InvalidRequestError(f"session_id must be 1..{MAX_SESSION_ID_LEN} characters, got {len(session_id)}")

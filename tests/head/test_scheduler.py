@@ -493,19 +493,25 @@ def make_prefix_scheduler(chain: FakeChain, events: list, capacity: int = 4, **l
                      on_prefix=lambda kind, tokens: events.append((kind, tokens)))
 
 
+def follow_up(scheduler: Scheduler, chain: FakeChain, new_tokens: list[int]) -> Task:
+    """Run a first turn ("turn-1", 10 prompt tokens, 3 generated) to its retirement, then submit the
+    next turn: its prompt, the two tokens it fed back, then ``new_tokens``."""
+    first = make_task("turn-1", prompt_len=10, max_tokens=3)
+    scheduler.submit(first)
+    tokens, end = outcome(first)
+    assert isinstance(end, End)
+    chain.wait_retired("turn-1")
+    second = Task(session_id="turn-2", prompt=first.prompt + tokens[:2] + new_tokens, sampling=SamplingParams(),
+                  max_tokens=2)
+    scheduler.submit(second)
+    return second
+
+
 def test_a_finished_session_is_retired_and_the_next_prompt_starts_from_it(make_scheduler):
     chain, events = FakeChain(), []
     scheduler = make_prefix_scheduler(chain, events)
     try:
-        first = make_task("turn-1", prompt_len=10, max_tokens=3)
-        scheduler.submit(first)
-        tokens, end = outcome(first)
-        assert isinstance(end, End)
-        chain.wait_retired("turn-1")
-        # the next turn: the first turn's prompt, the two tokens it fed back, then new tokens
-        second = Task(session_id="turn-2", prompt=first.prompt + tokens[:2] + [900, 901], sampling=SamplingParams(),
-                      max_tokens=2)
-        scheduler.submit(second)
+        second = follow_up(scheduler, chain, [900, 901])
         _, end = outcome(second)
         assert isinstance(end, End) and second.cached_tokens == 12
         entry = next(e for r in chain.requests for e in r.entries if e.session_id == "turn-2")
@@ -525,13 +531,7 @@ def test_a_stage_that_lost_the_prefix_makes_the_session_prefill_from_scratch(mak
     chain, events = FakeChain(fail=fail), []
     scheduler = make_prefix_scheduler(chain, events, recovery_wait_s=0.0)  # a miss recovers even so
     try:
-        first = make_task("turn-1", prompt_len=10, max_tokens=3)
-        scheduler.submit(first)
-        tokens, _ = outcome(first)
-        chain.wait_retired("turn-1")
-        second = Task(session_id="turn-2", prompt=first.prompt + tokens[:2] + [900], sampling=SamplingParams(),
-                      max_tokens=2)
-        scheduler.submit(second)
+        second = follow_up(scheduler, chain, [900])
         streamed, end = outcome(second)
         assert isinstance(end, End) and len(streamed) == 2 and second.cached_tokens == 0
         assert ("miss", 0) in events[1:]
@@ -553,13 +553,7 @@ def test_a_prefix_the_head_stage_itself_no_longer_holds_restarts_only_that_sessi
     chain, events = FakeChain(fail=fail), []
     scheduler = make_prefix_scheduler(chain, events)
     try:
-        first = make_task("turn-1", prompt_len=10, max_tokens=3)
-        scheduler.submit(first)
-        tokens, _ = outcome(first)
-        chain.wait_retired("turn-1")
-        second = Task(session_id="turn-2", prompt=first.prompt + tokens[:2] + [900], sampling=SamplingParams(),
-                      max_tokens=2)
-        scheduler.submit(second)
+        second = follow_up(scheduler, chain, [900])
         streamed, end = outcome(second)
         assert isinstance(end, End) and streamed == expected_tokens(second) and second.session_id == "turn-2"
         entries = [e for r in chain.requests for e in r.entries if e.session_id == "turn-2"]
