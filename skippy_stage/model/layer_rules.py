@@ -23,6 +23,7 @@ disproven by ``skippy-stage verify`` on the architecture fixtures:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,7 +185,7 @@ def rule_for(arch: str) -> ArchRule:
     """The architecture's rule (the empty rule: nothing index-dependent found in its source)."""
     rule = _RULES.get(arch, ArchRule())
     if arch in _OUTPUT_REQUIRED and not rule.needs_output:
-        rule = ArchRule(**{**rule.__dict__, "needs_output": True})
+        rule = dataclasses.replace(rule, needs_output=True)
     return rule
 
 
