@@ -50,6 +50,13 @@ class StageMetrics:
                                            "had lost it)", registry=r)
         self.prefix_cache_tokens_reused = Counter("skippy_prefix_cache_tokens_reused", "Prompt tokens whose KV came "
                                                   "from a resident prefix instead of a prefill", registry=r)
+        self.sessions_moved = Counter("skippy_sessions_moved", "Live sessions' KV pages that left this stage "
+                                      "(exported) or arrived (imported)", ["direction"], registry=r)
+        self.handoffs = Counter("skippy_handoff_sessions", "Sessions of a draining downstream this stage handed to "
+                                "its stand-in (moved) or could not (lost: the head re-prefills them)", ["outcome"],
+                                registry=r).labels  # type: ignore[assignment]
+        self.session_recoveries = Counter("skippy_session_recoveries", "Sessions the head re-prefilled through the "
+                                          "chain after a stage below failed", registry=r)
         self._gauges = {
             name: Gauge(f"skippy_{name}", doc, registry=r)
             for name, doc in (

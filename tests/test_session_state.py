@@ -16,9 +16,9 @@ import time
 import grpc
 import openai
 import pytest
-from support.pipeline import metric, scrape
+from support.pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, metric, scrape, status
 
-from skippy_stage.cli.local import free_ports
+from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
 from skippy_stage.model.loader import reference_llama
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -94,9 +94,9 @@ def test_a_four_turn_chat_over_three_stages_reuses_each_turn_and_equals_llama(pi
     reused = (metric(after, "skippy_prefix_cache_tokens_reused_total")
               - metric(before, "skippy_prefix_cache_tokens_reused_total"))
     assert hits >= 3 and reused >= sum(cached[1:])
-    for status in statuses(pipeline):  # every stage keeps the last turn's KV, under the same id
-        assert status.resident_prefixes and all(p.tokens > 0 for p in status.resident_prefixes)
-        assert status.active_sessions == 0
+    for report in statuses(pipeline):  # every stage keeps the last turn's KV, under the same id
+        assert report.resident_prefixes and all(p.tokens > 0 for p in report.resident_prefixes)
+        assert report.active_sessions == 0
     assert len({tuple(sorted(p.prefix_id for p in s.resident_prefixes)) for s in statuses(pipeline)}) == 1
 
 
@@ -223,5 +223,65 @@ def test_export_and_import_over_grpc_fork_a_session_on_a_stage_and_refuse_a_fore
             with pytest.raises(grpc.RpcError) as err:
                 stub.ExportSession(pb.ExportSessionRequest(session_id="nobody"), timeout=30)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
-            stub.DropSession(pb.DropSessionRequest(session_id="page-copy"), timeout=30)
+            # a page must hold exactly the tokens its caller has sent: more is refused at once,
+            # fewer after waiting out the call's deadline for the frames on their way
+            for wanted, deadline in ((3, 30), (6, 1)):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.ExportSession(pb.ExportSessionRequest(session_id="page-copy", wait_for_tokens=wanted),
+                                       timeout=deadline)
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert f"wait_for_tokens={wanted}" in err.value.details() and "holds 4 tokens" in err.value.details()
+            # release: the session moved; its lane here is free
+            moved = stub.ExportSession(pb.ExportSessionRequest(session_id="page-copy", wait_for_tokens=4,
+                                                               release=True), timeout=30)
+            assert moved.descriptor.n_tokens == 4 and len(moved.data) == len(page.data)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ExportSession(pb.ExportSessionRequest(session_id="page-copy"), timeout=30)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
         head.DropSession(pb.DropSessionRequest(session_id="page-me"), timeout=30)
+
+
+@pytest.mark.parametrize("draining", [1, 2], ids=["middle-stage", "final-stage"])
+def test_a_draining_stage_hands_its_live_sessions_to_its_stand_in_and_the_text_is_unchanged(
+        draining, smollm2, slice_cache, tmp_path):
+    """The stage above lists a stand-in for the same layers: on SIGTERM it moves the session's
+    KV page there (no re-prefill: the head recovers nothing), and the generation goes on with
+    the text it would have had; the drained stage exits 0 as soon as its session has left."""
+    ports = free_ports("127.0.0.1", 8)
+    configs = pipeline_configs(str(smollm2), RANGES, host="127.0.0.1", ports=ports[:3],
+                               extra={"cache_dir": str(slice_cache), "n_threads": 1, "cache_idle_slots": 0,
+                                      "recovery_wait_s": 60})
+    for cfg, port in zip(configs, ports[4:7]):
+        cfg["metrics_port"] = port
+    stand_in = {**configs[draining], "stage_id": f"stage-{draining}b", "bind_addr": f"127.0.0.1:{ports[3]}",
+                "metrics_port": ports[7]}
+    configs[draining - 1]["downstream_alternates"] = [{"stage_id": stand_in["stage_id"], "stage_index": draining,
+                                                      "endpoint": stand_in["bind_addr"]}]
+    pipeline = LocalPipeline(configs, tmp_path, log_dir=tmp_path)
+    standby = None
+    try:
+        pipeline.wait_serving(120)
+        # started once the chain is up: an upstream takes a stand-in that is ready before its primary
+        standby = LocalPipeline([stand_in], tmp_path, log_dir=tmp_path)
+        standby.wait_serving(120)
+        head = str(configs[0]["bind_addr"])
+        prompt = "Here is a short poem about the sea:\n"
+        undisturbed, _ = grpc_generate(head, prompt, 96)
+        run = StreamingRun(head, prompt, 96)
+        assert run.started.wait(60)
+        pipeline.procs[draining].send_signal(signal.SIGTERM)
+        run.worker.join(120)
+        assert "error" not in run.outcome, run.outcome.get("error")
+        assert "".join(run.pieces) == undisturbed
+        assert pipeline.procs[draining].wait(30) == 0
+        assert status(str(configs[draining - 1]["bind_addr"])).downstream_stage_id == stand_in["stage_id"]
+        assert metric(scrape(ports[7]), "skippy_sessions_moved_total", direction="imported") == 1
+        assert metric(scrape(ports[4]), "skippy_session_recoveries_total") == 0
+        upstream_metrics = scrape(ports[4 + draining - 1])
+        assert metric(upstream_metrics, "skippy_handoff_sessions_total", outcome="moved") == 1
+        assert metric(upstream_metrics, "skippy_handoff_sessions_total", outcome="lost") == 0
+        assert_no_active_sessions([c for i, c in enumerate(configs) if i != draining] + [stand_in])
+    finally:
+        pipeline.stop()
+        if standby is not None:
+            standby.stop()

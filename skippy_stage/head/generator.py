@@ -122,6 +122,7 @@ class Generator:
             drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.drop_s),
             is_eog=runtime.tokenizer.is_eog,
             stage_id=cfg.stage_id,
+            on_recovery=stage.metrics.session_recoveries.inc,
             **self._prefix_cache(stage, runtime),
         )
         template = runtime.tokenizer.metadata("tokenizer.chat_template")

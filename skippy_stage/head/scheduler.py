@@ -135,7 +135,8 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, *, step: StepFn, drop: DropFn, is_eog: IsEog,
                  chain_ready: Callable[[], bool] = lambda: True, stage_id: str = "head",
                  retire: DropFn | None = None, prefixes: PrefixCache | None = None,
-                 on_prefix: PrefixEvent = lambda kind, tokens: None) -> None:
+                 on_prefix: PrefixEvent = lambda kind, tokens: None,
+                 on_recovery: Callable[[], None] = lambda: None) -> None:
         """``retire`` and ``prefixes`` turn the prefix cache on: a finished session is retired on
         every stage (its KV kept under its id) instead of dropped, and a new one starts from the
         resident prefix sharing most of its prompt."""
@@ -143,6 +144,7 @@ class Scheduler:
         self._retire = retire
         self.prefixes = prefixes if retire is not None else None
         self._on_prefix = on_prefix
+        self._on_recovery = on_recovery
         self._chain_ready = chain_ready
         self._step = step
         self._drop = drop
@@ -360,6 +362,7 @@ class Scheduler:
                 task.prefilled = 0
                 task.recovering = None
                 task.recoveries += 1
+                self._on_recovery()
                 self.log.info("session recovering: re-prefilling through the chain", session_id=task.session_id,
                               previous_session_id=old, tokens=len(task.history))
                 for stale in list(task.stale_sessions):

@@ -349,6 +349,12 @@ class LaneTable:
         with self._lock:
             return set(self._resident)
 
+    def busy_sessions(self, within_s: float) -> list[str]:
+        """Sessions used within the last ``within_s`` seconds."""
+        cutoff = time.monotonic() - within_s
+        with self._lock:
+            return [s.session_id for s in self._sessions.values() if s.last_used >= cutoff]
+
     def idle_sessions(self, older_than_s: float) -> list[str]:
         """Sessions unused for longer than the given time (for TTL expiry)."""
         cutoff = time.monotonic() - older_than_s

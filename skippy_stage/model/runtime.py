@@ -506,12 +506,20 @@ class StageRuntime:
         return KvPageDesc(KV_PAGE_VERSION, self.model_digest(), cfg.layer_start, cfg.layer_end, n_tokens,
                           cfg.cache_type_k, cfg.cache_type_v, self.n_ctx)
 
-    def export_session(self, session_id: str, max_bytes: int) -> KvPage:
-        """A live session's KV on this stage, as a page another stage of the same layers imports."""
+    def export_session(self, session_id: str, max_bytes: int, *, tokens: int | None = None,
+                       release: bool = False) -> KvPage:
+        """A live session's KV on this stage, as a page another stage of the same layers imports.
+
+        ``tokens``: the count the caller expects it to hold (refused otherwise, so a page never
+        silently misses a frame). ``release``: free the lane in the same critical section, so no
+        frame can land between the copy and the release (the session moved)."""
         with self._compute:
             bound = self.lanes.lane_of(session_id)
             if bound is None:
                 raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on stage {self.config.stage_id}")
+            if tokens is not None and bound.n_tokens != tokens:
+                raise SessionStateError(f"session_id={session_id!r} holds {bound.n_tokens} tokens on stage "
+                                        f"{self.config.stage_id}, not the wait_for_tokens={tokens} asked for")
             size = int(llama_cpp.llama_state_seq_get_size(self._ctx, bound.lane))
             if size > max_bytes:
                 raise CapacityError(f"session_id={session_id!r}: its KV page is {size} bytes on stage "
@@ -523,6 +531,12 @@ class StageRuntime:
             # The final stage's history may end with the token it sampled last, not yet fed: the
             # page holds what the KV holds, and the step that feeds that token adds it back.
             history = tuple(self._history.get(session_id, ())[: bound.n_tokens])
+            if release:
+                self.lanes.drop(session_id)
+                self._forget(session_id)
+        if release:
+            self.log.info("session exported and released", session_id=session_id, lane=bound.lane,
+                          tokens=bound.n_tokens, page_bytes=written)
         return KvPage(self.page_descriptor(bound.n_tokens), bytes(buf)[:written], history)
 
     def import_session(self, session_id: str, page: KvPage) -> int:

@@ -1,7 +1,8 @@
 """The watch a stage keeps on the chain below it, on one thread.
 
 Every ``health_interval_s``: probe the downstream's health service; when it does not answer,
-switch to the first ``downstream_alternates`` stand-in that does; once per (re)connection,
+switch to the first ``downstream_alternates`` stand-in that does (handing it the live sessions
+first when the downstream is draining rather than gone); once per (re)connection,
 agree on the edge (layer continuity, width, architecture, transport) before this stage
 calls itself SERVING; free sessions the stages below may still hold (``retry_pending_drops``)
 and sessions idle past their TTL.
@@ -15,7 +16,8 @@ from collections.abc import Callable
 import structlog
 
 from skippy_stage.errors import DownstreamError
-from skippy_stage.stage.downstream import HealthProbe
+from skippy_stage.stage.downstream import DownstreamClient, HealthProbe
+from skippy_stage.stage.handoff import hand_off
 from skippy_stage.stage.stage import Stage
 
 log = structlog.get_logger("skippy_stage.monitor")
@@ -57,17 +59,29 @@ class DownstreamMonitor:
         return HealthProbe(True, "")
 
     def try_alternates(self) -> bool:
-        """Switch to the first configured stand-in that answers SERVING; True if switched."""
-        current = self.stage.downstream.peer
+        """Switch to the first configured stand-in that answers SERVING; True if switched.
+
+        A downstream that still answers and says it is draining (SIGTERM) hands its live
+        sessions to the stand-in first; one that is gone loses them (the head re-prefills)."""
+        current = self.stage.downstream
         for peer in (self.config.downstream, *self.config.downstream_alternates):
-            if peer == current:
+            if peer == current.peer:
                 continue
             candidate = self.stage.client_for(peer)
             if candidate.probe_health(self.stage.timeouts.health_probe_s).ok:
-                self.stage.switch_downstream(candidate)
+                if self._draining(current) and self.stage.runtime is not None:
+                    hand_off(self.stage, candidate, self.stage.timeouts.hop_s)
+                else:
+                    self.stage.switch_downstream(candidate)
                 return True
             candidate.close()
         return False
+
+    def _draining(self, client: DownstreamClient) -> bool:
+        try:
+            return client.status(self.stage.timeouts.health_probe_s).state == "draining"
+        except DownstreamError:
+            return False
 
     def run(self, stop: threading.Event) -> None:
         timeouts = self.stage.timeouts

@@ -106,7 +106,12 @@ class StageServer:
         self._set_health(self.stage.ready)
 
     def drain(self, grace_s: float) -> None:
-        """Stop taking work (NOT_SERVING), let in-flight calls finish within grace_s, stop."""
+        """Stop taking new work (NOT_SERVING), let the work under way finish within grace_s, stop.
+
+        The gRPC server and the frame listener stay up until then: the sessions under way keep
+        their frames flowing, and an upstream with a stand-in for this stage takes them over
+        (ExportSession) instead of waiting for them to end (``stage.handoff``)."""
+        deadline = time.monotonic() + grace_s
         self.stage.transition(StageState.DRAINING)
         self._set_health(False)
         self._stop.set()
@@ -114,8 +119,11 @@ class StageServer:
             self.http.stop(grace_s)
         closing = threading.Thread(target=self.servicer.close, name="drain-scheduler", daemon=True)
         closing.start()
-        stopped = self.server.stop(grace_s)
-        closing.join(grace_s)
+        if grace_s > 0:
+            self.stage.wait_drained(max(0.0, deadline - time.monotonic()))
+        left = max(0.0, deadline - time.monotonic())
+        stopped = self.server.stop(left)
+        closing.join(left)
         stopped.wait()
         if self.frames is not None:
             self.frames.close()

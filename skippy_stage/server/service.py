@@ -207,7 +207,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     @_unary
     def ExportSession(self, request, context):  # noqa: N802
-        return codec.page_to_pb(self.stage.export_session(request.session_id))
+        return codec.page_to_pb(self.stage.export_session(request.session_id, wait_for_tokens=request.wait_for_tokens,
+                                                          release=request.release,
+                                                          remaining_s=context.time_remaining()))
 
     @_unary
     def ImportSession(self, request, context):  # noqa: N802

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, SkippyError
+from skippy_stage.model.runtime import KvPage
 from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, hops
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
@@ -155,6 +156,23 @@ class DownstreamClient:
             return codec.trims_from_pb(self._stub.TrimSession(
                 pb.TrimSessionRequest(session_id=session_id, tokens=tokens),
                 timeout=self.timeout_for(remaining), metadata=self._metadata))
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+
+    def export_session(self, session_id: str, *, wait_for_tokens: int, release: bool, timeout_s: float) -> KvPage:
+        """The downstream's own KV page of a session (that stage only, not the ones below it)."""
+        try:
+            return codec.page_from_pb(self._stub.ExportSession(
+                pb.ExportSessionRequest(session_id=session_id, wait_for_tokens=wait_for_tokens, release=release),
+                timeout=timeout_s, metadata=self._metadata))
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+
+    def import_session(self, session_id: str, page: KvPage, timeout_s: float) -> int:
+        try:
+            return int(self._stub.ImportSession(pb.ImportSessionRequest(session_id=session_id,
+                                                                        page=codec.page_to_pb(page)),
+                                                timeout=timeout_s, metadata=self._metadata).tokens)
         except grpc.RpcError as err:
             raise self._translate(err) from None
 

@@ -43,7 +43,8 @@ from skippy_stage.metrics import StageMetrics
 from skippy_stage.model.runtime import KvPage, StageRuntime
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.security import Credentials
-from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream
+from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream, timeout_for
+from skippy_stage.stage.gate import EdgeGate
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.returns import LocalReturn, ReturnBox, StreamReturn, TcpReturn
 from skippy_stage.stage.status import status_for
@@ -59,6 +60,10 @@ from skippy_stage.stage.steps import (
 )
 
 log = structlog.get_logger("skippy_stage.stage")
+
+# A draining stage waits for sessions fed within this many seconds (work under way); older
+# ones are a client's leftovers, freed when the stage stops.
+DRAIN_IDLE_S = 2.0
 
 # One upstream edge's back channel: sends one Reply up it and never raises.
 Sink = Callable[[Reply], None]
@@ -111,6 +116,10 @@ class Inbound:
         with self._lock:
             if sink in self._sinks:
                 self._sinks.remove(sink)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sinks)
 
     def broadcast(self, reply: Reply) -> int:
         with self._lock:
@@ -175,6 +184,9 @@ class Stage:
         self.returns = ReturnBox()
         self.inbound = Inbound()
         self.routes = Routes()
+        # Frames, steps and session calls pass it; a hand-off to a stand-in closes it.
+        self.gate = EdgeGate()
+        self._moved_away = 0  # sessions exported and released here (a hand-off to a stand-in)
         # The TCP frame listener's port once it listens (advertised in GetStatus).
         self.frame_port = 0
         self.downstream = self.client_for(config.downstream) if config.downstream is not None else None
@@ -283,6 +295,28 @@ class Stage:
             raise StageUnavailableError(f"stage {self.config.stage_id} is {self._state.value}")
         return self.runtime
 
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Draining: wait until no session here is at work (bound and fed within the last
+        ``DRAIN_IDLE_S``) and no frame is passing, so the generations under way finish or move to
+        a stand-in (``handoff``) before the process stops. A session nobody has fed for that long
+        (a client that went away) does not hold the drain; True if nothing was left at work.
+
+        After a hand-off the upstream still has to switch its edge: stopping first would break
+        the link it still sends on (and fail its steps), so the wait lasts until it has closed
+        the link (it does right after switching)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            runtime = self.runtime
+            busy = [] if runtime is None else runtime.lanes.busy_sessions(DRAIN_IDLE_S)
+            switching = self._moved_away > 0 and len(self.inbound) > 0
+            if not busy and not switching and self.gate.wait_idle(0):
+                self.log.info("drained", sessions_handed_off=self._moved_away)
+                return True
+            if time.monotonic() >= deadline:
+                self.log.warning("drain grace over; sessions still at work", sessions=busy[:16])
+                return False
+            time.sleep(0.02)
+
     def close(self) -> None:
         self.transition(StageState.STOPPED)
         if self.downstream is not None:
@@ -340,6 +374,10 @@ class Stage:
         Runs on the receiving thread: this stage's layers, then the frame on (or the outputs
         back). A failure frees the frame's sessions here and goes up ``sink`` naming them.
         """
+        with self.gate.passing():
+            self._accept_one(frame, sink)
+
+    def _accept_one(self, frame: Frame, sink: Sink) -> None:
         self._observe_latency(frame)
         try:
             entries = self._prepare(frame.step)
@@ -354,9 +392,13 @@ class Stage:
         that fails its checks is answered alone; if the joint decode is refused (say, a session
         of one frame has no lane), each frame runs on its own, so one bad frame never fails
         another (the runtime rolls a refused batch back entirely)."""
-        if len(frames) == 1:
-            self.accept_frame(frames[0], sink)
-            return
+        with self.gate.passing():
+            if len(frames) == 1:
+                self._accept_one(frames[0], sink)
+            else:
+                self._accept_together(frames, sink)
+
+    def _accept_together(self, frames: list[Frame], sink: Sink) -> None:
         ready: list[tuple[Frame, list]] = []
         for frame in frames:
             try:
@@ -452,23 +494,27 @@ class Stage:
         """
         if relay is None:
             relay = not self.config.include_embeddings
-        entries = self._prepare(step)
-        results = self._compute(entries)
-        downstream = self.downstream
-        if downstream is None:
-            if on_sent is not None:
-                on_sent()
-            return outputs_from_results(results, self.config.stage_id)
-        sessions = [e.session_id for e in entries]
         outcome = HopFuture()
-        key = self.returns.expect(outcome)
-        step.return_key = key
-        timeout = downstream.timeout_for(remaining_s)
-        started = time.perf_counter()
+        key = ""
+        sessions: list[str] = []
         try:
-            self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None)
+            with self.gate.passing():  # from compute to the frame's send, as for a frame from above
+                entries = self._prepare(step)
+                results = self._compute(entries)
+                downstream = self.downstream
+                if downstream is None:
+                    outputs = outputs_from_results(results, self.config.stage_id)
+                else:
+                    sessions = [e.session_id for e in entries]
+                    key = self.returns.expect(outcome)
+                    step.return_key = key
+                    timeout = downstream.timeout_for(remaining_s)
+                    started = time.perf_counter()
+                    self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None)
             if on_sent is not None:
                 on_sent()  # while the stages below work: the head's side jobs (the client's stream)
+            if downstream is None:
+                return outputs
             try:
                 outputs = outcome.result(timeout=timeout + 0.05)
             except FutureTimeout:
@@ -478,10 +524,12 @@ class Stage:
             self.metrics.hop_seconds.observe(time.perf_counter() - started)
             return outputs
         except SkippyError as exc:
-            self._failed(exc, sessions, step.request_id)
+            if sessions:
+                self._failed(exc, sessions, step.request_id)
             raise
         finally:
-            self.returns.forget(key)
+            if key:
+                self.returns.forget(key)
 
     def _from_below(self, reply: Reply) -> None:
         """A message on the downstream edge's back channel (its reader thread): settle the step
@@ -600,8 +648,13 @@ class Stage:
         """Free the session here and on every stage below; NOT_FOUND only if no stage had it.
 
         ``keep_prefix``: each stage keeps the session's KV as a resident prefix instead (the
-        head retires a finished session so a later one may start from it)."""
+        head retires a finished session so a later one may start from it). It passes the gate:
+        a hand-off under way must not move a session this call is freeing below."""
         _check_session_id(session_id)
+        with self.gate.passing():
+            return self._drop_session(session_id, remaining_s, keep_prefix=keep_prefix)
+
+    def _drop_session(self, session_id: str, remaining_s: float | None, *, keep_prefix: bool) -> list[StageDrop]:
         runtime = self.require_runtime()
         try:
             result = runtime.retire_session(session_id) if keep_prefix else runtime.drop_session(session_id)
@@ -628,6 +681,10 @@ class Stage:
         session). If a stage below fails after this one cut, the stages would disagree on the
         session's length: it is dropped everywhere, and the error says so."""
         _check_session_id(session_id)
+        with self.gate.passing():
+            return self._trim_session(session_id, tokens, remaining_s)
+
+    def _trim_session(self, session_id: str, tokens: int, remaining_s: float | None) -> list[StageTrim]:
         before = self.require_runtime().trim_session(session_id, tokens)
         stages = [StageTrim(self.config.stage_id, before)]
         downstream = self.downstream
@@ -636,7 +693,7 @@ class Stage:
                 stages.extend(downstream.trim_session(session_id, tokens, remaining_s))
             except DownstreamError as exc:
                 try:
-                    self.drop_session(session_id, remaining_s)
+                    self._drop_session(session_id, remaining_s, keep_prefix=False)
                 except SkippyError:
                     pass
                 raise DownstreamError(f"{exc}; session_id={session_id!r} was dropped on every stage (a trim that "
@@ -644,13 +701,36 @@ class Stage:
                                       code_name=exc.code_name) from None
         return stages
 
-    def export_session(self, session_id: str) -> KvPage:
-        """This stage's KV of a live session, as a page (for a stand-in of the same layers)."""
-        return self.require_runtime().export_session(session_id, self.config.max_message_bytes)
+    def export_session(self, session_id: str, *, wait_for_tokens: int = 0, release: bool = False,
+                       remaining_s: float | None = None) -> KvPage:
+        """This stage's KV of a live session, as a page (for a stand-in of the same layers).
+
+        ``wait_for_tokens``: the upstream of a draining stage names the count it has sent; the
+        frames still on their way land first (polled: a hand-off is rare and short), and the page
+        then holds exactly that many. ``release``: the session moved, free its lane here."""
+        _check_session_id(session_id)
+        runtime = self.require_runtime()
+        if wait_for_tokens:
+            budget = timeout_for(remaining_s, self.timeouts.hop_s)
+            # stop waiting a little before the caller's deadline, so it hears why, not a timeout
+            deadline = time.monotonic() + budget - min(0.1, budget / 2)
+            while time.monotonic() < deadline:
+                bound = runtime.lanes.lane_of(session_id)
+                if bound is None or bound.n_tokens >= wait_for_tokens:
+                    break
+                time.sleep(0.002)
+        page = runtime.export_session(session_id, self.config.max_message_bytes, tokens=wait_for_tokens or None,
+                                      release=release)
+        if release:
+            self._moved_away += 1
+        self.metrics.sessions_moved.labels("exported").inc()
+        return page
 
     def import_session(self, session_id: str, page: KvPage) -> int:
         _check_session_id(session_id)
-        return self.require_runtime().import_session(session_id, page)
+        tokens = self.require_runtime().import_session(session_id, page)
+        self.metrics.sessions_moved.labels("imported").inc()
+        return tokens
 
     def status(self) -> StageReport:
         cfg = self.config

@@ -308,10 +308,14 @@ class KvPage(_message.Message):
     def __init__(self, descriptor: _Optional[_Union[KvPageDesc, _Mapping]] = ..., data: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "wait_for_tokens", "release")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    wait_for_tokens: int
+    release: bool
+    def __init__(self, session_id: _Optional[str] = ..., wait_for_tokens: _Optional[int] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class ImportSessionRequest(_message.Message):
     __slots__ = ("session_id", "page")
