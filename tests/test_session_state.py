@@ -242,15 +242,15 @@ def test_export_and_import_over_grpc_fork_a_session_on_a_stage_and_refuse_a_fore
 
 
 @pytest.mark.parametrize("draining", [1, 2], ids=["middle-stage", "final-stage"])
-def test_a_draining_stage_hands_its_live_sessions_to_its_stand_in_and_the_text_is_unchanged(
+def test_a_draining_stage_hands_its_sessions_and_prefixes_to_its_stand_in_and_the_text_is_unchanged(
         draining, smollm2, slice_cache, tmp_path):
-    """The stage above lists a stand-in for the same layers: on SIGTERM it moves the session's
-    KV page there (no re-prefill: the head recovers nothing), and the generation goes on with
-    the text it would have had; the drained stage exits 0 as soon as its session has left."""
+    """The stage above lists a stand-in for the same layers: on SIGTERM it moves the live
+    session's KV page there (no re-prefill: the head recovers nothing) and then the resident
+    prefixes; the generation goes on with the text it would have had, a later request still finds
+    its prefix, and the drained stage exits 0 as soon as its sessions have left."""
     ports = free_ports("127.0.0.1", 8)
     configs = pipeline_configs(str(smollm2), RANGES, host="127.0.0.1", ports=ports[:3],
-                               extra={"cache_dir": str(slice_cache), "n_threads": 1, "cache_idle_slots": 0,
-                                      "recovery_wait_s": 60})
+                               extra={"cache_dir": str(slice_cache), "recovery_wait_s": 60, **STAGE_OPTIONS})
     for cfg, port in zip(configs, ports[4:7]):
         cfg["metrics_port"] = port
     stand_in = {**configs[draining], "stage_id": f"stage-{draining}b", "bind_addr": f"127.0.0.1:{ports[3]}",
@@ -265,7 +265,11 @@ def test_a_draining_stage_hands_its_live_sessions_to_its_stand_in_and_the_text_i
         standby = LocalPipeline([stand_in], tmp_path, log_dir=tmp_path)
         standby.wait_serving(120)
         head = str(configs[0]["bind_addr"])
+        other = "The three primary colours are"
+        grpc_generate(head, other, 8)  # a resident prefix that must move too
         prompt = "Here is a short poem about the sea:\n"
+        grpc_generate(head, prompt, 96)
+        # the reference: a run that starts from the previous run's resident prefix, as the next one will
         undisturbed, _ = grpc_generate(head, prompt, 96)
         run = StreamingRun(head, prompt, 96)
         assert run.started.wait(60)
@@ -275,11 +279,16 @@ def test_a_draining_stage_hands_its_live_sessions_to_its_stand_in_and_the_text_i
         assert "".join(run.pieces) == undisturbed
         assert pipeline.procs[draining].wait(30) == 0
         assert status(str(configs[draining - 1]["bind_addr"])).downstream_stage_id == stand_in["stage_id"]
-        assert metric(scrape(ports[7]), "skippy_sessions_moved_total", direction="imported") == 1
+        moved = metric(scrape(ports[7]), "skippy_sessions_moved_total", direction="imported")
+        assert moved >= 2, "the live session and at least the other prompt's resident prefix"
         assert metric(scrape(ports[4]), "skippy_session_recoveries_total") == 0
         upstream_metrics = scrape(ports[4 + draining - 1])
         assert metric(upstream_metrics, "skippy_handoff_sessions_total", outcome="moved") == 1
         assert metric(upstream_metrics, "skippy_handoff_sessions_total", outcome="lost") == 0
+        misses = metric(scrape(ports[4]), "skippy_prefix_cache_misses_total")
+        _, again = grpc_generate(head, other, 8)
+        assert again.cached_tokens > 0, "the moved prefix serves the next request"
+        assert metric(scrape(ports[4]), "skippy_prefix_cache_misses_total") == misses
         assert_no_active_sessions([c for i, c in enumerate(configs) if i != draining] + [stand_in])
     finally:
         pipeline.stop()

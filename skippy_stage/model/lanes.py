@@ -154,6 +154,11 @@ class LaneTable:
             found = self._sessions.get(session_id)
             return None if found is None else SessionLane(found.session_id, found.lane, found.n_tokens, found.last_used)
 
+    def resident_lane(self, prefix_id: str) -> SessionLane | None:
+        with self._lock:
+            found = self._resident.get(prefix_id)
+            return None if found is None else SessionLane(found.session_id, found.lane, found.n_tokens, found.last_used)
+
     def next_position(self, session_id: str) -> int:
         with self._lock:
             found = self._sessions.get(session_id)

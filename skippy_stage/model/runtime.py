@@ -512,9 +512,11 @@ class StageRuntime:
 
         ``tokens``: the count the caller expects it to hold (refused otherwise, so a page never
         silently misses a frame). ``release``: free the lane in the same critical section, so no
-        frame can land between the copy and the release (the session moved)."""
+        frame can land between the copy and the release (the session moved). A resident prefix
+        of that id is exported when no live session has it."""
         with self._compute:
             bound = self.lanes.lane_of(session_id)
+            resident = bound is None and (bound := self.lanes.resident_lane(session_id)) is not None
             if bound is None:
                 raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on stage {self.config.stage_id}")
             if tokens is not None and bound.n_tokens != tokens:
@@ -530,7 +532,8 @@ class StageRuntime:
                 raise RuntimeFailure(f"llama.cpp exported no KV state for session_id={session_id!r}")
             # The final stage's history may end with the token it sampled last, not yet fed: the
             # page holds what the KV holds, and the step that feeds that token adds it back.
-            history = tuple(self._history.get(session_id, ())[: bound.n_tokens])
+            held = self._resident_history if resident else self._history
+            history = tuple(held.get(session_id, ())[: bound.n_tokens])
             if release:
                 self.lanes.drop(session_id)
                 self._forget(session_id)
@@ -539,9 +542,10 @@ class StageRuntime:
                           tokens=bound.n_tokens, page_bytes=written)
         return KvPage(self.page_descriptor(bound.n_tokens), bytes(buf)[:written], history)
 
-    def import_session(self, session_id: str, page: KvPage) -> int:
+    def import_session(self, session_id: str, page: KvPage, *, resident: bool = False) -> int:
         """Bind ``session_id`` to a lane holding ``page``'s KV; refuses a page cut from anything else,
-        naming the field. Returns the tokens the session now holds."""
+        naming the field. Returns the tokens the session now holds. ``resident``: keep it as a
+        resident prefix of that id instead (a finished session's KV, moved)."""
         want = self.page_descriptor(page.descriptor.n_tokens)
         got = page.descriptor
         for name in ("version", "model_digest", "layer_start", "layer_end", "cache_type_k", "cache_type_v"):
@@ -584,7 +588,9 @@ class StageRuntime:
             if page.token_ids:
                 self._history[session_id] = list(page.token_ids)
         self.log.info("session imported", session_id=session_id, lane=lanes[session_id], tokens=got.n_tokens,
-                      page_bytes=len(page.data))
+                      page_bytes=len(page.data), resident=resident)
+        if resident:
+            self.retire_session(session_id)
         return got.n_tokens
 
     def retire_session(self, session_id: str) -> DropResult:

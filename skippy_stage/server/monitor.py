@@ -70,7 +70,7 @@ class DownstreamMonitor:
             candidate = self.stage.client_for(peer)
             if candidate.probe_health(self.stage.timeouts.health_probe_s).ok:
                 if self._draining(current) and self.stage.runtime is not None:
-                    hand_off(self.stage, candidate, self.stage.timeouts.hop_s)
+                    hand_off(self.stage, candidate)
                 else:
                     self.stage.switch_downstream(candidate)
                 return True
@@ -84,24 +84,33 @@ class DownstreamMonitor:
             return False
 
     def run(self, stop: threading.Event) -> None:
-        timeouts = self.stage.timeouts
+        """The watch, until ``stop``: a bug in one round is logged, never the end of the watch."""
         edge_ok = False
         while not stop.is_set():
-            if self.stage.downstream is not None:
+            try:
+                edge_ok = self._round(edge_ok)
+            except Exception:
+                log.exception("downstream watch round failed", stage_id=self.config.stage_id)
+                edge_ok = False
+            stop.wait(self.stage.timeouts.health_interval_s)
+
+    def _round(self, edge_ok: bool) -> bool:
+        timeouts = self.stage.timeouts
+        if self.stage.downstream is not None:
+            probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
+            if not probe.ok and self.try_alternates():
+                edge_ok = False  # a new edge: agree on it before calling the stage SERVING
                 probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
-                if not probe.ok and self.try_alternates():
-                    edge_ok = False  # a new edge: agree on it before calling the stage SERVING
-                    probe = self.stage.downstream.probe_health(timeouts.health_probe_s)
-                if not probe.ok:
-                    edge_ok = False
-                elif not edge_ok and self.stage.runtime is not None:
-                    probe = self.check_edge()
-                    edge_ok = probe.ok
-                if probe.ok != self.stage.downstream_health.ok:
-                    log.info("downstream health", stage_id=self.config.stage_id, ok=probe.ok, detail=probe.detail)
-                self.stage.downstream_health = probe
-            self._set_health(self.stage.ready)
-            if self.stage.downstream_health.ok:
-                self.stage.retry_pending_drops()
-            self.stage.expire_idle_sessions()
-            stop.wait(timeouts.health_interval_s)
+            if not probe.ok:
+                edge_ok = False
+            elif not edge_ok and self.stage.runtime is not None:
+                probe = self.check_edge()
+                edge_ok = probe.ok
+            if probe.ok != self.stage.downstream_health.ok:
+                log.info("downstream health", stage_id=self.config.stage_id, ok=probe.ok, detail=probe.detail)
+            self.stage.downstream_health = probe
+        self._set_health(self.stage.ready)
+        if self.stage.downstream_health.ok:
+            self.stage.retry_pending_drops()
+        self.stage.expire_idle_sessions()
+        return edge_ok

@@ -213,7 +213,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     @_unary
     def ImportSession(self, request, context):  # noqa: N802
-        tokens = self.stage.import_session(request.session_id, codec.page_from_pb(request.page))
+        tokens = self.stage.import_session(request.session_id, codec.page_from_pb(request.page),
+                                           resident=request.resident)
         return pb.ImportSessionResponse(tokens=tokens)
 
     @_unary

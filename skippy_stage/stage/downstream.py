@@ -168,10 +168,11 @@ class DownstreamClient:
         except grpc.RpcError as err:
             raise self._translate(err) from None
 
-    def import_session(self, session_id: str, page: KvPage, timeout_s: float) -> int:
+    def import_session(self, session_id: str, page: KvPage, timeout_s: float, *, resident: bool = False) -> int:
         try:
             return int(self._stub.ImportSession(pb.ImportSessionRequest(session_id=session_id,
-                                                                        page=codec.page_to_pb(page)),
+                                                                        page=codec.page_to_pb(page),
+                                                                        resident=resident),
                                                 timeout=timeout_s, metadata=self._metadata).tokens)
         except grpc.RpcError as err:
             raise self._translate(err) from None

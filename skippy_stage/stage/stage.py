@@ -235,17 +235,18 @@ class Stage:
         """Final stage: send outputs straight to ``head``, a stage of this process."""
         self.return_path = LocalReturn(head)
 
-    def switch_downstream(self, client: DownstreamClient) -> None:
+    def switch_downstream(self, client: DownstreamClient, *, close_old: bool = True) -> None:
         """Send frames to another stage serving the same layers (the old one stopped answering).
 
         The swap is one assignment; every call reads ``self.downstream`` once and keeps that
         edge, so a frame sent to the old one just as it closes fails UNAVAILABLE (and the head
-        recovers it) instead of mixing two edges in one call."""
+        recovers it) instead of mixing two edges in one call. A hand-off keeps the old one open a
+        little longer (``close_old=False``) to move resident prefixes through it, and closes it."""
         old, self.downstream = self.downstream, client
         self.downstream_health = HealthProbe(False, f"switched to {client.peer.stage_id}; edge not agreed yet")
         self.log.warning("downstream switched", from_stage=old.peer.stage_id if old else None,
                          to_stage=client.peer.stage_id, endpoint=client.peer.endpoint)
-        if old is not None:
+        if old is not None and close_old:
             old.close()
 
     @property
@@ -510,7 +511,13 @@ class Stage:
                     step.return_key = key
                     timeout = downstream.timeout_for(remaining_s)
                     started = time.perf_counter()
-                    self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None)
+                    try:
+                        self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None)
+                    except SkippyError as exc:
+                        # freed before the pass ends: a hand-off must not list a session that failed
+                        self._failed(exc, sessions, step.request_id)
+                        sessions = []
+                        raise
             if on_sent is not None:
                 on_sent()  # while the stages below work: the head's side jobs (the client's stream)
             if downstream is None:
@@ -726,9 +733,9 @@ class Stage:
         self.metrics.sessions_moved.labels("exported").inc()
         return page
 
-    def import_session(self, session_id: str, page: KvPage) -> int:
+    def import_session(self, session_id: str, page: KvPage, *, resident: bool = False) -> int:
         _check_session_id(session_id)
-        tokens = self.require_runtime().import_session(session_id, page)
+        tokens = self.require_runtime().import_session(session_id, page, resident=resident)
         self.metrics.sessions_moved.labels("imported").inc()
         return tokens
 

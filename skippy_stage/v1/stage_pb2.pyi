@@ -318,12 +318,14 @@ class ExportSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., wait_for_tokens: _Optional[int] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class ImportSessionRequest(_message.Message):
-    __slots__ = ("session_id", "page")
+    __slots__ = ("session_id", "page", "resident")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     page: KvPage
-    def __init__(self, session_id: _Optional[str] = ..., page: _Optional[_Union[KvPage, _Mapping]] = ...) -> None: ...
+    resident: bool
+    def __init__(self, session_id: _Optional[str] = ..., page: _Optional[_Union[KvPage, _Mapping]] = ..., resident: _Optional[bool] = ...) -> None: ...
 
 class ImportSessionResponse(_message.Message):
     __slots__ = ("tokens",)
