@@ -102,6 +102,53 @@ class PeerConfig:
         return parse_endpoint(self.endpoint, stage_id=self.stage_id, field_name="endpoint")
 
 
+DRAFTERS = ("none", "ngram", "model")
+MAX_DRAFT_K = 16
+MAX_NGRAM = 8
+MTP_REFUSAL = ("native multi-token-prediction heads are not supported: the pinned llama.cpp "
+               "loads MTP tensors (llama_model_params.load_mtp, LLAMA_CONTEXT_TYPE_MTP), but no model or fixture "
+               "this project can run has MTP layers it may split (the architectures with them are refused or "
+               "unproven), so nothing proves it exact; use 'ngram' or 'model'")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the head speculates (its ``speculative`` config), and one generation's own settings
+    over it (``override``; a request may not name a draft model file)."""
+
+    drafter: str = "none"  # "none", "ngram" (prompt lookup) or "model" (a draft GGUF at the head)
+    k: int = 4  # most tokens drafted per step
+    ngram: int = 2  # ngram: the longest n-gram looked up (LlamaPromptLookupDecoding's max_ngram_size)
+    adaptive: bool = True  # draft fewer (down to none) while drafts keep being rejected
+    model_path: str | None = None  # model: the draft GGUF, sharing the target's vocabulary
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter != "none"
+
+    def problem(self) -> str | None:
+        """What is wrong with these settings (field and value), or None."""
+        if self.drafter == "mtp":
+            return f"drafter='mtp': {MTP_REFUSAL}"
+        if self.drafter not in DRAFTERS:
+            return f"drafter={self.drafter!r} must be one of {', '.join(DRAFTERS)}"
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_DRAFT_K:
+            return f"k={self.k!r} must be an integer in [1, {MAX_DRAFT_K}]"
+        if isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or not 1 <= self.ngram <= MAX_NGRAM:
+            return f"ngram={self.ngram!r} must be an integer in [1, {MAX_NGRAM}]"
+        if not isinstance(self.adaptive, bool):
+            return f"adaptive={self.adaptive!r} must be true or false"
+        if self.model_path is not None and not isinstance(self.model_path, str):
+            return f"model_path={self.model_path!r} must be a path"
+        return None
+
+    def override(self, *, drafter: str | None = None, k: int | None = None, ngram: int | None = None,
+                 adaptive: bool | None = None) -> SpeculativeConfig:
+        changes = {name: value for name, value in (("drafter", drafter), ("k", k), ("ngram", ngram),
+                                                   ("adaptive", adaptive)) if value is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """Everything one stage process needs. Build it with :func:`load_config` or :meth:`from_dict`."""
@@ -208,6 +255,9 @@ class StageConfig:
     drop_timeout_s: float = 5.0
     # Threads serving gRPC calls (a Generate stream holds one for its whole length).
     grpc_workers: int = 64
+    # Head only: speculative decoding (drafter, k, ngram, adaptive, model_path); requests may
+    # override all but model_path. Unset: none.
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bind_addr", strip_tcp_scheme(self.bind_addr))
@@ -275,6 +325,8 @@ class StageConfig:
         values["downstream_alternates"] = tuple(
             _peer(a, stage_id=stage_id, side=f"downstream_alternates[{i}]") for i, a in enumerate(alternates)
         )
+        if "speculative" in values:
+            values["speculative"] = _speculative(values["speculative"], stage_id=stage_id)
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -398,6 +450,18 @@ def _peer(raw: object, *, stage_id: str, side: str) -> PeerConfig:
     return PeerConfig(**raw)
 
 
+def _speculative(data: object, *, stage_id: str) -> SpeculativeConfig:
+    if isinstance(data, SpeculativeConfig):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"stage {stage_id}: speculative must be an object, got {data!r}")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"stage {stage_id}: unknown speculative key(s) {', '.join(unknown)}")
+    return SpeculativeConfig(**{k: v for k, v in data.items() if v is not None})
+
+
 def _fail(cfg: StageConfig, field_name: str, value: object, why: str) -> ConfigError:
     return ConfigError(f"stage {cfg.stage_id}: {field_name}={value!r} {why}")
 
@@ -480,6 +544,18 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.grpc_workers > 1024:
         raise _fail(cfg, "grpc_workers", cfg.grpc_workers, "must be <= 1024")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)
+    spec = cfg.speculative
+    if not isinstance(spec, SpeculativeConfig):
+        raise _fail(cfg, "speculative", spec, "must be an object (drafter, k, ngram, adaptive, model_path)")
+    if (problem := spec.problem()) is not None:
+        raise ConfigError(f"stage {cfg.stage_id}: speculative.{problem}")
+    if spec.enabled and cfg.layer_start != 0:
+        raise _fail(cfg, "speculative.drafter", spec.drafter, "is set on a stage that is not the head (layer_start=0): "
+                    "the head drafts")
+    if spec.drafter == "model" and not spec.model_path:
+        raise _fail(cfg, "speculative.model_path", spec.model_path, "must name the draft GGUF for drafter 'model'")
+    if spec.drafter != "model" and spec.model_path:
+        raise _fail(cfg, "speculative.model_path", spec.model_path, f"is set but drafter={spec.drafter!r} loads no model")
     if cfg.n_ubatch > cfg.n_batch:
         raise _fail(cfg, "n_ubatch", cfg.n_ubatch, f"must be <= n_batch={cfg.n_batch}")
     if cfg.lane_count > MAX_LANES:

@@ -55,6 +55,10 @@ class StageMetrics:
         self.handoffs = Counter("skippy_handoff_sessions", "Sessions of a draining downstream this stage handed to "
                                 "its stand-in (moved) or could not (lost: the head re-prefills them)", ["outcome"],
                                 registry=r).labels  # type: ignore[assignment]
+        self.spec_drafted = Counter("skippy_spec_drafted_tokens", "Tokens the head drafted for speculative "
+                                    "decoding (sent through the chain to be verified)", registry=r)
+        self.spec_accepted = Counter("skippy_spec_accepted_tokens", "Drafted tokens the final stage's samples "
+                                     "agreed with (kept)", registry=r)
         self.session_recoveries = Counter("skippy_session_recoveries", "Sessions the head re-prefilled through the "
                                           "chain after a stage below failed", registry=r)
         self._gauges = {

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from skippy_stage.errors import InvalidRequestError
+from skippy_stage.errors import ConfigError, InvalidRequestError
+from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, SpeculativeRequest
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
 from skippy_stage.model.runtime import StageRuntime
@@ -40,6 +41,7 @@ class GenerateSpec:
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]
+    speculative: SpeculativeRequest | None = None
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -109,6 +111,18 @@ class Generator:
         self.runtime = runtime
         self.max_context = runtime.cells_per_lane
         cfg = stage.config
+        spec = cfg.speculative
+        if spec.enabled and not runtime.cuttable:
+            raise ConfigError(f"stage {cfg.stage_id}: speculative.drafter={spec.drafter!r}: this model's state cannot "
+                              f"be cut back (recurrent layers), so rejected drafts could not be removed")
+        self.drafters = Drafters(ModelDrafter(spec.model_path, n_ctx=runtime.cells_per_lane + 32,
+                                              n_threads=cfg.n_threads, target=runtime.tokenizer)
+                                 if spec.drafter == "model" and spec.model_path else None)
+        metrics = stage.metrics
+
+        def on_speculation(drafted: int, accepted: int) -> None:
+            metrics.spec_drafted.inc(drafted)
+            metrics.spec_accepted.inc(accepted)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 lane_count=cfg.lane_count, kv_pool_tokens=runtime.n_ctx, max_context=runtime.cells_per_lane,
@@ -123,6 +137,7 @@ class Generator:
             is_eog=runtime.tokenizer.is_eog,
             stage_id=cfg.stage_id,
             on_recovery=stage.metrics.session_recoveries.inc,
+            on_speculation=on_speculation,
             **self._prefix_cache(stage, runtime),
         )
         template = runtime.tokenizer.metadata("tokenizer.chat_template")
@@ -178,6 +193,15 @@ class Generator:
             )
         task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=spec.sampling,
                     max_tokens=spec.max_tokens)
+        speculation = self.stage.config.speculative
+        if spec.speculative is not None:
+            speculation = spec.speculative.over(speculation)
+        if speculation.enabled:
+            if not self.runtime.cuttable:
+                raise InvalidRequestError(f"speculative.drafter={speculation.drafter!r}: this model's state cannot be "
+                                          f"cut back (recurrent layers), so rejected drafts could not be removed")
+            task.drafter = self.drafters.for_spec(speculation)
+            task.draft_budget = DraftBudget(speculation.k, speculation.adaptive)
         slog = log.bind(stage_id=self.stage.config.stage_id, session_id=task.session_id)
         self.scheduler.submit(task)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
@@ -224,3 +248,4 @@ class Generator:
 
     def close(self) -> None:
         self.scheduler.close()
+        self.drafters.close()

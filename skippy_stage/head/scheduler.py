@@ -36,6 +36,7 @@ from skippy_stage.errors import (
     UnknownSessionError,
     is_prefix_miss,
 )
+from skippy_stage.head.drafting import DraftBudget, Drafter
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Outputs, Step, StepEntry
@@ -85,6 +86,11 @@ class Task:
     prefix_id: str | None = None
     cached_tokens: int = 0
     failed: bool = False  # its session's state is uncertain: freed, never kept as a prefix
+    # Speculative decoding: who drafts (None: no speculation), how many at most now, and how many
+    # the step under way carries.
+    drafter: Drafter | None = None
+    draft_budget: DraftBudget | None = None
+    drafted: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -136,7 +142,8 @@ class Scheduler:
                  chain_ready: Callable[[], bool] = lambda: True, stage_id: str = "head",
                  retire: DropFn | None = None, prefixes: PrefixCache | None = None,
                  on_prefix: PrefixEvent = lambda kind, tokens: None,
-                 on_recovery: Callable[[], None] = lambda: None) -> None:
+                 on_recovery: Callable[[], None] = lambda: None,
+                 on_speculation: Callable[[int, int], None] = lambda drafted, accepted: None) -> None:
         """``retire`` and ``prefixes`` turn the prefix cache on: a finished session is retired on
         every stage (its KV kept under its id) instead of dropped, and a new one starts from the
         resident prefix sharing most of its prompt."""
@@ -145,6 +152,7 @@ class Scheduler:
         self.prefixes = prefixes if retire is not None else None
         self._on_prefix = on_prefix
         self._on_recovery = on_recovery
+        self._on_speculation = on_speculation
         self._chain_ready = chain_ready
         self._step = step
         self._drop = drop
@@ -320,10 +328,14 @@ class Scheduler:
                 continue
             if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0:
                 position = len(task.prompt) + task.generated - 1
-                entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE, positions=[position],
-                                         token_ids=[task.last_token], sample_last=True, sampling=task.sampling))
+                drafts = self._draft(task, position, budget - 1)
+                n = 1 + len(drafts)
+                entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE,
+                                         positions=range(position, position + n), token_ids=[task.last_token, *drafts],
+                                         sample_last=True, sampling=task.sampling,
+                                         rewind=task.drafter is not None, verify=bool(drafts)))
                 plan.append((task, 0))
-                budget -= 1
+                budget -= n
         for task in batch:
             feed = task.to_feed
             remaining = len(feed) - task.prefilled
@@ -341,10 +353,26 @@ class Scheduler:
             last = start + n == len(feed) and task.last_token is None
             entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
                                      positions=range(start, start + n), token_ids=feed[start : start + n],
-                                     sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id))
+                                     sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
+                                     # a speculating reference (logits_all) computes every prompt row
+                                     all_rows=task.drafter is not None))
             plan.append((task, n))
             budget -= n
         return entries, plan
+
+    def _draft(self, task: Task, position: int, room: int) -> list[int]:
+        """The tokens ``task`` drafts to follow its last one this step (llama-cpp-python's schedule:
+        drafted from every token so far, the last sampled one included, as many as the drafter
+        gives up to k, capped only by the session's KV cells and the batch)."""
+        task.drafted = 0
+        if task.drafter is None or task.draft_budget is None:
+            return []
+        k = min(task.draft_budget.next_k(), room, self.limits.max_context - position - 1)
+        if k <= 0:
+            return []
+        drafts = task.drafter([*task.history, task.last_token], k)[:k]
+        task.drafted = len(drafts)
+        return drafts
 
     def _recover(self, batch: list[Task]) -> None:
         """Re-prefill sessions whose chain failed, once it answers again (or give up)."""
@@ -470,21 +498,37 @@ class Scheduler:
             task.failing_since = None
             if task.first_token_at is None:
                 task.first_token_at = time.monotonic()
-            token = out.token
-            if self._is_eog(token):
-                self.flush_events()
-                task.events.put(End(FINISH_STOP))
-                task.cancel()
-                continue
-            if task.last_token is not None and n_prefill == 0:
-                task.history.append(task.last_token)  # it was fed in this step
-            elif not task.history:
-                task.history = list(task.prompt)
-            task.generated += 1
-            task.last_token = token
-            self._emit(task, token)
-            position = len(task.prompt) + task.generated - 1
-            if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
-                self.flush_events()
-                task.events.put(End(FINISH_LENGTH))
-                task.cancel()
+            # A verify entry's samples: the drafts it kept, then the one that rejected a draft (or
+            # followed the last): each as if sampled in a step of its own.
+            tokens = out.tokens if out.tokens is not None else (out.token,)
+            if task.drafted:
+                accepted = len(tokens) - 1
+                self._on_speculation(task.drafted, accepted)
+                if task.draft_budget is not None:
+                    task.draft_budget.record(task.drafted, accepted)
+                task.drafted = 0
+            for token in tokens:
+                if not self._take(task, token, fed_now=n_prefill == 0):
+                    break
+
+    def _take(self, task: Task, token: int, *, fed_now: bool) -> bool:
+        """One sampled token of ``task``: emit it, or end the task; False once it ended."""
+        if self._is_eog(token):
+            self.flush_events()
+            task.events.put(End(FINISH_STOP))
+            task.cancel()
+            return False
+        if task.last_token is not None and fed_now:
+            task.history.append(task.last_token)  # it was fed in this step
+        elif not task.history:
+            task.history = list(task.prompt)
+        task.generated += 1
+        task.last_token = token
+        self._emit(task, token)
+        position = len(task.prompt) + task.generated - 1
+        if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
+            self.flush_events()
+            task.events.put(End(FINISH_LENGTH))
+            task.cancel()
+            return False
+        return True

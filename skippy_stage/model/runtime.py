@@ -72,6 +72,13 @@ class BatchEntry:
     sampling: SamplingParams | None = None
     # A new session that takes this resident prefix's lane, keeping its first positions[0] tokens.
     prefix_id: str | None = None
+    # Speculative decoding: cut the session back to positions[0] before this batch (drafts
+    # rejected last step); final stage: sample every row in order up to the first that rejects
+    # the next row's token (``verify``), and compute every row as an output (``all_rows``, the
+    # batch shape llama.cpp's logits_all gives).
+    rewind: bool = False
+    verify: bool = False
+    all_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class EntryResult:
     hidden: np.ndarray | None = None  # inner stages: one row per input token
     logits: np.ndarray | None = None  # final stage: the last token's logits, when asked
     token: int | None = None  # final stage: the sampled next token, when asked
+    tokens: tuple[int, ...] | None = None  # final stage, verify: every row's sample up to the first rejection
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,7 @@ class StageRuntime:
         cuttable = not (llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model))
         self.keeps_prefixes = cuttable and not config.kv_unified
         self._cuttable = cuttable
+        self.cuttable = cuttable  # a session can be cut back (trim, rewind): no recurrent layers
         self._swa_window = int(llama_cpp.llama_model_n_swa(self._model))
         self.lanes = LaneTable(
             lane_count=config.lane_count,
@@ -350,6 +359,11 @@ class StageRuntime:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
             if e.sample:
                 (e.sampling or SamplingParams()).validate()
+            if e.rewind and not self._cuttable:
+                raise InvalidRequestError(f"{where}.rewind: stage {cfg.stage_id} holds a recurrent model, whose state "
+                                          f"cannot be cut back (no speculative decoding)")
+            if e.verify and (not e.sample or tokens is None):
+                raise InvalidRequestError(f"{where}.verify needs sample and the token_ids it verifies")
             checked.append(_Checked(e, pos.astype(np.int32), tokens))
         return checked
 
@@ -363,6 +377,9 @@ class StageRuntime:
         """
         checked = self._check(entries)
         with self._compute:
+            for c in checked:
+                if c.entry.rewind:
+                    self._rewind(c.entry.session_id, int(c.positions[0]))
             lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n, c.entry.prefix_id)
                                            for c in checked])
             for c in checked:
@@ -378,6 +395,19 @@ class StageRuntime:
                 self.lanes.advance(c.entry.session_id, c.n)
         return results
 
+    def _rewind(self, session_id: str, keep: int) -> None:
+        """Drop a live session's KV (and sampling history) from ``keep`` on: the drafts the final
+        stage rejected. The sampler keeps its state: it only ever accepted the tokens it sampled,
+        which are the session's real history. A session that holds ``keep`` tokens or fewer (or is
+        new) is left alone; admission then checks the position as for any entry."""
+        bound = self.lanes.lane_of(session_id)
+        if bound is None or keep >= bound.n_tokens:
+            return
+        self.lanes.trim(session_id, keep)
+        history = self._history.get(session_id)
+        if history is not None:
+            del history[keep + 1 :]  # position ``keep``'s token is fed again by this batch
+
     def _decode(self, checked: list[_Checked], lanes: dict[str, int]) -> list[EntryResult]:
         cfg = self.config
         order = sorted(range(len(checked)), key=lambda i: lanes[checked[i].entry.session_id])
@@ -392,7 +422,9 @@ class StageRuntime:
                 self._tokens[offset:end] = c.tokens
             else:
                 self._embd[offset:end] = c.entry.hidden
-            if cfg.include_output:
+            if cfg.include_output and (c.entry.all_rows or c.entry.verify):
+                self._out[offset:end] = 1
+            elif cfg.include_output:
                 self._out[offset:end] = 0
                 self._out[end - 1] = 1 if (c.entry.sample or c.entry.want_logits) else 0
             else:
@@ -412,7 +444,8 @@ class StageRuntime:
         if rc != 0:
             raise RuntimeFailure(f"llama_decode failed with code {rc} on a batch of {offset} tokens")
         if cfg.include_output:
-            return [self._final_result(checked[i], spans[i][1] - 1) for i in range(len(checked))]
+            return [self._verify_result(checked[i], spans[i][0]) if checked[i].entry.verify
+                    else self._final_result(checked[i], spans[i][1] - 1) for i in range(len(checked))]
         return self._inner_results(checked, spans, offset)
 
     def _inner_results(self, checked: list[_Checked], spans: dict[int, tuple[int, int]], total: int) -> list[EntryResult]:
@@ -450,6 +483,29 @@ class StageRuntime:
             history.append(token)  # the chain accepted it while sampling
             state.accepted = len(history)
         return EntryResult(e.session_id, logits=logits, token=token)
+
+    def _verify_result(self, c: _Checked, first_row: int) -> EntryResult:
+        """Sample each row in order with the session's chain; stop after the first sample that differs
+        from the next row's token (the draft it checks). For a deterministic draft this *is* the
+        speculative-sampling acceptance rule: the draft survives with the probability the chain gives
+        it, and a rejection's sample is distributed as the chain's distribution without the draft."""
+        e = c.entry
+        p0 = int(c.positions[0])
+        history = self._history.setdefault(e.session_id, [])
+        del history[p0:]
+        history.append(int(c.tokens[0]))
+        state = self._sampler_for(e.session_id, e.sampling or SamplingParams(), history)
+        samples: list[int] = []
+        for i in range(c.n):
+            token = state.chain.sample(self._ctx, first_row + i)
+            samples.append(token)
+            if i + 1 < c.n and token != int(c.tokens[i + 1]):
+                break
+        # The real history: what was fed up to the last draft kept, then the samples' last, which the
+        # next step feeds (and so replaces at its position, as for a plain sample).
+        history.extend(samples)
+        state.accepted = len(history)
+        return EntryResult(e.session_id, token=samples[-1], tokens=tuple(samples))
 
     def _sampler_for(self, session_id: str, params: SamplingParams, history: list[int]) -> _SessionSampler:
         state = self._samplers.get(session_id)

@@ -16,6 +16,10 @@ class Tokenizer:
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
 
+    @property
+    def n_vocab(self) -> int:
+        return int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         data = text.encode("utf-8")
         capacity = len(data) + 16

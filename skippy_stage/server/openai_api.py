@@ -49,6 +49,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skippy_stage.errors import ConfigError, DownstreamError, InvalidFieldError, SkippyError
+from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, Piece
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.security import Credentials
@@ -92,6 +93,7 @@ class OpenAIRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    speculative: SpeculativeRequest | None = None
 
     def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
         """The Generate spec, with max_tokens checked against the pipeline's session size."""
@@ -100,7 +102,7 @@ class OpenAIRequest:
             raise InvalidFieldError("max_tokens", f"max_tokens={max_tokens} exceeds this pipeline's limit "
                                                   f"{max_tokens_limit} ({limit_hint})")
         return GenerateSpec(prompt=self.prompt, messages=self.messages, max_tokens=max_tokens,
-                            sampling=self.sampling, stop=self.stop)
+                            sampling=self.sampling, stop=self.stop, speculative=self.speculative)
 
 
 def _json_kind(value: object) -> str:
@@ -212,6 +214,31 @@ def _stop(value: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _speculative(value: object) -> SpeculativeRequest | None:
+    """This server's extension: ``speculative: {drafter, k, ngram, adaptive}`` (the head's settings
+    for whatever is left out); checked against them when the generation starts."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidFieldError("speculative", f"speculative must be an object, got {_json_kind(value)}")
+    unknown = sorted(set(value) - {"drafter", "k", "ngram", "adaptive"})
+    if unknown:
+        raise InvalidFieldError("speculative", f"speculative has unknown key(s) {', '.join(unknown)}")
+    drafter = value.get("drafter")
+    if drafter is not None and not isinstance(drafter, str):
+        raise InvalidFieldError("speculative", f"speculative.drafter must be a string, got {_json_kind(drafter)}")
+    adaptive = value.get("adaptive")
+    if adaptive is not None and not isinstance(adaptive, bool):
+        raise InvalidFieldError("speculative", f"speculative.adaptive must be a boolean, got {_json_kind(adaptive)}")
+    numbers = {}
+    for name in ("k", "ngram"):
+        try:
+            numbers[name] = _int_field(value, name, low=1)
+        except InvalidFieldError as exc:
+            raise InvalidFieldError("speculative", f"speculative.{exc}") from None
+    return SpeculativeRequest(drafter=drafter, adaptive=adaptive, **numbers)
+
+
 def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body, field by field."""
     if not isinstance(body, dict):
@@ -247,7 +274,8 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     include_usage = _bool_field(options or {}, "include_usage")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=RANDOM_SEED if seed is None else seed)
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
-                         stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage)
+                         stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
+                         speculative=_speculative(body.get("speculative")))
 
 
 # -- errors --------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
+from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator
 from skippy_stage.stage import codec
 from skippy_stage.stage.downstream import FAILED_STAGE_KEY
@@ -273,10 +274,16 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
         if m.role not in ("system", "user", "assistant", "tool"):
             raise InvalidRequestError(f"messages[{i}].role={m.role!r} must be system, user, assistant or tool")
     sampling = codec.sampling_from_pb(req.sampling) if req.HasField("sampling") else None
+    speculative = None
+    if req.HasField("speculative"):
+        s = req.speculative
+        speculative = SpeculativeRequest(drafter=s.drafter or None, k=s.k or None, ngram=s.ngram or None,
+                                         adaptive=s.adaptive if s.HasField("adaptive") else None)
     return GenerateSpec(
         prompt=req.prompt or None,
         messages=tuple((m.role, m.content) for m in req.messages),
         max_tokens=max_tokens,
         sampling=check_sampling(sampling, "sampling"),
         stop=tuple(req.stop),
+        speculative=speculative,
     )

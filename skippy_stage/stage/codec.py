@@ -106,6 +106,9 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         # Acted on by the final stage only, and checked only where it will be.
         sampling=sampling_from_pb(e.sampling) if e.sample_last and e.HasField("sampling") else None,
         prefix_id=e.prefix_id or None,
+        rewind=e.rewind,
+        verify=e.verify,
+        all_rows=e.all_rows,
     )
 
 
@@ -118,6 +121,7 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
         msg.sampling.CopyFrom(sampling_to_pb(e.sampling))
     if e.prefix_id is not None:
         msg.prefix_id = e.prefix_id
+    msg.rewind, msg.verify, msg.all_rows = e.rewind, e.verify, e.all_rows
     return msg
 
 
@@ -140,7 +144,8 @@ def step_to_pb(step: Step) -> pb.IterationBatchRequest:
 
 def outputs_from_pb(msg: pb.IterationBatchResponse) -> Outputs:
     return Outputs([Output(o.session_id, o.token if o.has_token else None,
-                           np.array(o.logits, dtype=np.float32) if len(o.logits) else None) for o in msg.outputs],
+                           np.array(o.logits, dtype=np.float32) if len(o.logits) else None,
+                           tuple(o.tokens) if len(o.tokens) else None) for o in msg.outputs],
                    msg.final_stage_id, wire=msg)
 
 
@@ -155,6 +160,8 @@ def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
             out.token = o.token
         if o.logits is not None:
             out.logits.extend(o.logits.tolist())
+        if o.tokens is not None:
+            out.tokens.extend(o.tokens)
         msgs.append(out)
     return pb.IterationBatchResponse(outputs=msgs, final_stage_id=outputs.final_stage_id)
 

@@ -45,6 +45,11 @@ class StepEntry:
     sampling: SamplingParams | None = None
     # The first entry of a session that takes a resident prefix, keeping positions[0] of its tokens.
     prefix_id: str | None = None
+    # Speculative decoding: cut the session back to positions[0] first (every stage); sample every
+    # row, stopping at the first rejected draft (final stage); output every row (final stage).
+    rewind: bool = False
+    verify: bool = False
+    all_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class Output:
     session_id: str
     token: int | None = None
     logits: np.ndarray | None = None
+    tokens: tuple[int, ...] | None = None  # a verify entry's samples (``token`` is the last)
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,12 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
                 raise InvalidRequestError(f"entries[{i}].token_ids has {token_ids.shape[0]} values for {n} positions")
         rows = None if hidden is None else hidden[offset : offset + n]
         offset += n
+        if e.verify and not e.sample_last:
+            raise InvalidRequestError(f"entries[{i}].verify needs sample_last (it samples every row)")
+        if e.verify and e.want_logits:
+            raise InvalidRequestError(f"entries[{i}] sets both verify and want_logits: a verify entry returns samples only")
+        if e.verify and token_ids is None:
+            raise InvalidRequestError(f"entries[{i}].verify needs token_ids: the drafts it verifies")
         sampling = check_sampling(e.sampling, f"entries[{i}].sampling") if e.sample_last else None
         entries.append(BatchEntry(
             session_id=e.session_id,
@@ -189,6 +201,9 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             sample=e.sample_last and shape.include_output,
             sampling=sampling,
             prefix_id=e.prefix_id,
+            rewind=e.rewind,
+            verify=e.verify and shape.include_output,
+            all_rows=(e.all_rows or e.verify) and shape.include_output,
         ))
     return entries
 
@@ -210,4 +225,4 @@ def forward_step(step: Step, results: Sequence[EntryResult], shape: StageShape) 
 
 
 def outputs_from_results(results: Sequence[EntryResult], stage_id: str) -> Outputs:
-    return Outputs([Output(r.session_id, r.token, r.logits) for r in results], stage_id)
+    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens) for r in results], stage_id)

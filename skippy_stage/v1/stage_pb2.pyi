@@ -64,7 +64,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
-    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id")
+    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,9 @@ class BatchEntry(_message.Message):
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    ALL_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     phase: Phase
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +84,10 @@ class BatchEntry(_message.Message):
     want_logits: bool
     sampling: SamplingParams
     prefix_id: str
-    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ...) -> None: ...
+    rewind: bool
+    verify: bool
+    all_rows: bool
+    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ...) -> None: ...
 
 class FrameDescriptor(_message.Message):
     __slots__ = ("version", "dtype", "layout", "producer_stage_index", "layer_start", "layer_end", "token_count", "sequence_count", "payload_bytes", "flags", "width")
@@ -206,16 +212,18 @@ class FrameWelcome(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., stage_id: _Optional[str] = ...) -> None: ...
 
 class EntryOutput(_message.Message):
-    __slots__ = ("session_id", "has_token", "token", "logits")
+    __slots__ = ("session_id", "has_token", "token", "logits", "tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     has_token: bool
     token: int
     logits: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class IterationBatchResponse(_message.Message):
     __slots__ = ("outputs", "final_stage_id")
@@ -452,18 +460,32 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop")
+    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop", "speculative")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
     sampling: SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    speculative: Speculative
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ...) -> None: ...
+
+class Speculative(_message.Message):
+    __slots__ = ("drafter", "k", "ngram", "adaptive")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    k: int
+    ngram: int
+    adaptive: bool
+    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., ngram: _Optional[int] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id", "cached_tokens")

@@ -1,0 +1,171 @@
+"""Speculative decoding at the head: who drafts the next tokens, and how many to draft.
+
+A drafter proposes up to k tokens after a session's last sampled one; the step carries the
+last token and the drafts through every stage in one batch, and the final stage samples every
+row, stopping at the first sample that differs from the draft after it (``verify``). The
+drafters here are deterministic (a proposal is a single token, not a distribution), and for
+such drafts "sample the row and keep the draft if the sample equals it" *is* the standard
+speculative-sampling acceptance rule: the draft d is kept with probability p(d), and otherwise
+the token emitted is distributed as p with d removed and renormalised, so every emitted token
+is distributed as the target model's p, at any temperature. Greedy runs are exact.
+
+- ``ngram``: prompt lookup, llama-cpp-python's own ``LlamaPromptLookupDecoding`` (the reference
+  the tests hold the pipeline to), no model.
+- ``model``: a small GGUF at the head with the target's vocabulary, run with llama-cpp-python,
+  drafting greedily.
+- native MTP heads are refused by name (see ``MTP_REFUSAL``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from skippy_stage.config import SpeculativeConfig
+from skippy_stage.errors import ConfigError, InvalidRequestError
+from skippy_stage.model.tokenizer import Tokenizer
+
+log = structlog.get_logger("skippy_stage.drafting")
+
+# A drafter: up to k tokens to follow a session's history (its tokens so far, the last sampled
+# one included).
+Drafter = Callable[[list[int], int], list[int]]
+
+
+@dataclass(frozen=True)
+class SpeculativeRequest:
+    """A request's own speculative settings (unset: the head's)."""
+
+    drafter: str | None = None
+    k: int | None = None
+    ngram: int | None = None
+    adaptive: bool | None = None
+
+    def over(self, base: SpeculativeConfig) -> SpeculativeConfig:
+        """These settings over the head's, refused by field (INVALID_ARGUMENT)."""
+        spec = base.override(drafter=self.drafter, k=self.k, ngram=self.ngram, adaptive=self.adaptive)
+        if (problem := spec.problem()) is not None:
+            raise InvalidRequestError(f"speculative.{problem}")
+        return spec
+
+
+class NgramDrafter:
+    """Prompt lookup exactly as llama-cpp-python does it (its reference implementation)."""
+
+    def __init__(self, ngram: int) -> None:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self._find = LlamaPromptLookupDecoding.find_candidate_pred_tokens
+        self.ngram = ngram
+
+    def __call__(self, history: list[int], k: int) -> list[int]:
+        if k <= 0 or len(history) < 2:
+            return []
+        found = self._find(np.asarray(history, dtype=np.intc), max_ngram_size=self.ngram, num_pred_tokens=k)
+        return [int(t) for t in found]
+
+
+class ModelDrafter:
+    """A small model at the head drafting greedily, with llama-cpp-python (its KV keeps the longest
+    common prefix of the last history it saw, so a session's next draft evaluates only what is new)."""
+
+    def __init__(self, model_path: str, *, n_ctx: int, n_threads: int, target: Tokenizer) -> None:
+        from skippy_stage.model.loader import reference_llama
+
+        self.model_path = model_path
+        self.n_ctx = n_ctx
+        try:
+            self._llm = reference_llama(model_path, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=n_threads,
+                                        verbose=False)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"speculative.model_path={model_path!r} cannot be loaded: {exc}") from None
+        self._lock = threading.Lock()
+        mine = Tokenizer(self._llm._model.model)
+        n_vocab, want = self._llm.n_vocab(), target.n_vocab
+        if n_vocab != want:
+            self.close()
+            raise ConfigError(f"speculative.model_path={model_path!r} has a vocabulary of {n_vocab} tokens, the target "
+                              f"model {want}: a draft model must share the target's vocabulary")
+        for token in range(n_vocab):
+            if mine.token_bytes(token) != target.token_bytes(token):
+                self.close()
+                raise ConfigError(f"speculative.model_path={model_path!r}: token {token} is "
+                                  f"{mine.token_bytes(token)!r} there and {target.token_bytes(token)!r} in the target "
+                                  f"model: a draft model must share the target's vocabulary")
+
+    def __call__(self, history: list[int], k: int) -> list[int]:
+        k = min(k, self.n_ctx - len(history) - 1)
+        if k <= 0 or not history:
+            return []
+        out: list[int] = []
+        with self._lock:
+            for token in self._llm.generate(history, temp=0.0, top_k=1, reset=True):
+                out.append(int(token))
+                if len(out) >= k:
+                    break
+        return out
+
+    def close(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is not None:
+            llm.close()
+
+
+@dataclass
+class DraftBudget:
+    """Adaptive k for one session: one more after a step whose drafts were all kept, one fewer
+    after a step that kept none; at zero, a single-token probe every ``PROBE_EVERY`` steps, so a
+    text that turns repetitive is found again. Off: always k."""
+
+    k: int
+    adaptive: bool
+    current: int = -1
+    idle_steps: int = 0
+    PROBE_EVERY = 8
+
+    def __post_init__(self) -> None:
+        if self.current < 0:
+            self.current = self.k
+
+    def next_k(self) -> int:
+        if not self.adaptive or self.current > 0:
+            return self.k if not self.adaptive else self.current
+        self.idle_steps += 1
+        return 1 if self.idle_steps % self.PROBE_EVERY == 0 else 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        if accepted == drafted:
+            self.current = min(self.k, self.current + 1)
+        elif accepted == 0:
+            self.current = max(0, self.current - 1)
+
+
+class Drafters:
+    """The head's drafters: one prompt-lookup drafter per n-gram size (stateless, made on first
+    use) and the draft model, if its config loads one."""
+
+    def __init__(self, model: ModelDrafter | None = None) -> None:
+        self.model = model
+        self._ngram: dict[int, NgramDrafter] = {}
+        self._lock = threading.Lock()
+
+    def for_spec(self, spec: SpeculativeConfig) -> Drafter | None:
+        if spec.drafter == "ngram":
+            with self._lock:
+                return self._ngram.setdefault(spec.ngram, NgramDrafter(spec.ngram))
+        if spec.drafter == "model":
+            if self.model is None:
+                raise InvalidRequestError("speculative.drafter='model': this head has no draft model "
+                                          "(set speculative.model_path in its config)")
+            return self.model
+        return None
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
