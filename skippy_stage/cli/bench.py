@@ -45,6 +45,14 @@ CHAT_TURNS = ["Where is my parcel?", "It was sent on Monday from Berlin.", "How 
               "Thank you, and can I change the address?"]
 CHAT_TOKENS = 8 if _QUICK else 24
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+# Speculative decoding: a prompt whose answer quotes it (prompt lookup drafts well) and a free one.
+SPEC_PASSAGE = ("The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, and watched "
+                "the ships pass safely through the narrow strait. In winter the storms came early, and he kept the "
+                "fire burning through the night, writing the names of the ships in a worn leather book. When the "
+                "keeper grew old, his granddaughter took the lamp, and the book, and the stairs.")
+SPEC_PROMPTS = {"repetitive": f"Repeat the following passage exactly.\n\nPassage: {SPEC_PASSAGE}\n\nRepeated passage:",
+                "free_form": "Write a short story about a fox who learns to fly. Once upon a time,"}
+SPEC_TOKENS = 24 if _QUICK else 96
 
 
 def _long_prompt(runtime: StageRuntime, n_tokens: int) -> tuple[str, list[int]]:
@@ -439,6 +447,7 @@ def run(json_path: str | None = None) -> dict[str, object]:
             name: {str(c): median(runs, "aggregate", str(c)) for c in CONCURRENCY}
             for name, runs in (("single_process", single_runs), ("pipeline", pipeline_runs))}
         report["chat_ttft_s"] = _chat_ttft(model, Path(tmp), cache_dir)
+        report["speculative"] = _speculative(model, Path(tmp), cache_dir)
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
         report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
                                         "tcp_frame": report["hop_floor_us"]["tcp_frame_round_trip_us"],
@@ -483,6 +492,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
             "prefill_512": prefill["pipeline"] / prefill["single_process"],
             "chat_turn4_ttft_without_vs_with_prefix_cache": (report["chat_ttft_s"]["without_prefix_cache"][-1]
                                                              / report["chat_ttft_s"]["with_prefix_cache"][-1]),
+            **{f"speculative_{name}_tokens_per_s_ngram_vs_none": figures["speedup"]
+               for name, figures in report["speculative"].items()},
         }
         report["conditions"] = {"cores": cores, "model": model.name, "decode_tokens": DECODE_TOKENS,
                                 "aggregate_tokens_per_session": AGG_TOKENS, "prefill_tokens": PREFILL_TOKENS,
@@ -491,6 +502,40 @@ def run(json_path: str | None = None) -> dict[str, object]:
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _speculative(model: Path, workdir: Path, cache_dir: str) -> dict[str, dict[str, object]]:
+    """3 stages, greedy, one stream: each prompt without speculation and with the ngram drafter
+    (adaptive k, the default), interleaved in rounds (medians). ``tokens_per_trip``: decoded tokens
+    per decode step through the chain (the head's batches, from its metrics); ``ms_per_token``:
+    after the first token."""
+    (workdir / "speculative").mkdir()
+    pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], workdir / "speculative", cache_dir, kv_unified=False)
+    head_metrics = pipeline.metrics_ports[0]
+
+    def one(prompt: str, drafter: str) -> tuple[float, float]:
+        before = _scrape(head_metrics).get("skippy_batch_entries_count", 0.0)
+        figures = generate(pipeline.endpoint, prompt, max_tokens=SPEC_TOKENS, temperature=0.0, seed=None, chat=False,
+                           out=io.StringIO(), speculative={"drafter": drafter})
+        steps = _scrape(head_metrics).get("skippy_batch_entries_count", 0.0) - before
+        n = figures["completion_tokens"]
+        ms = (figures["seconds"] - figures["ttft_s"]) / max(n - 1, 1) * 1e3
+        return ms, (n - 1) / max(steps - 1, 1)  # the first step is the prompt's prefill
+
+    out: dict[str, dict[str, object]] = {}
+    try:
+        for name, prompt in SPEC_PROMPTS.items():
+            one(prompt, "ngram")  # warm
+            runs: dict[str, list[tuple[float, float]]] = {"none": [], "ngram": []}
+            for _ in range(DECODE_ROUNDS):
+                for drafter in runs:
+                    runs[drafter].append(one(prompt, drafter))
+            figures = {drafter: {"ms_per_token": float(np.median([r[0] for r in rs])),
+                                 "tokens_per_trip": float(np.median([r[1] for r in rs]))} for drafter, rs in runs.items()}
+            out[name] = {**figures, "speedup": figures["none"]["ms_per_token"] / figures["ngram"]["ms_per_token"]}
+    finally:
+        pipeline.stop()
+    return out
 
 
 def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[float]]:
@@ -600,6 +645,12 @@ def format_table(report: dict[str, object]) -> str:
                  f"{'>=3':>8}")
     lines.append("chat TTFT s per turn, with prefix cache: " + ", ".join(f"{t:.3f}" for t in chat["with_prefix_cache"])
                  + "; without: " + ", ".join(f"{t:.3f}" for t in chat["without_prefix_cache"]))
+    for name, target in (("repetitive", ">=1.8"), ("free_form", ">=0.95")):
+        s = r["speculative"][name]
+        lines.append(f"{'speculative ngram, ' + name + ' (ms/token)':44} {s['ngram']['ms_per_token']:12.2f} "
+                     f"{s['none']['ms_per_token']:12.2f} {s['speedup']:8.2f} {target:>8}")
+        lines.append(f"  tokens per trip: ngram {s['ngram']['tokens_per_trip']:.2f}, none {s['none']['tokens_per_trip']:.2f}"
+                     " (ratio column: tokens/s with ngram over without, 3 stages)")
     lines.append(f"{'hop latency (us, send -> next stage computes)':44} {r['hop_latency_us']:12.0f} "
                  f"{'':>12} {'':>8} {'<=200':>8}")
     for transport, t in r["transport_comparison_3_stage"].items():

@@ -26,8 +26,26 @@ def client_credentials(args: argparse.Namespace) -> Credentials:
     return Credentials(cert=cert, key=read(args.tls_key), ca=ca, token=token)
 
 
+def speculative_flags(args: argparse.Namespace) -> dict[str, object]:
+    """--speculative/--draft-k/--draft-ngram/--draft-model as SpeculativeConfig fields (only those given)."""
+    given = {"drafter": args.speculative, "k": args.draft_k, "ngram": args.draft_ngram,
+             "model_path": getattr(args, "draft_model", None)}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def add_speculative_flags(p: argparse.ArgumentParser, *, model: bool) -> None:
+    p.add_argument("--speculative", choices=("none", "ngram", "model"), default=None,
+                   help="draft tokens to verify several per trip: ngram (prompt lookup) or model (a draft GGUF)")
+    p.add_argument("--draft-k", type=int, default=None, help="most tokens drafted per step (default 4)")
+    p.add_argument("--draft-ngram", type=int, default=None,
+                   help="ngram drafter: longest n-gram looked up (default 2, LlamaPromptLookupDecoding's)")
+    if model:
+        p.add_argument("--draft-model", default=None, help="model drafter: a GGUF sharing the target's vocabulary")
+
+
 def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float, seed: int | None,
-              chat: bool, out: TextIO = sys.stdout, credentials: Credentials | None = None) -> dict[str, float]:
+              chat: bool, out: TextIO = sys.stdout, credentials: Credentials | None = None,
+              speculative: dict[str, object] | None = None) -> dict[str, float]:
     import grpc
 
     from skippy_stage.v1 import stage_pb2 as pb
@@ -37,6 +55,8 @@ def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float,
     if seed is not None:
         sampling.seed = seed
     request = pb.GenerateRequest(max_tokens=max_tokens, sampling=sampling)
+    if speculative:
+        request.speculative.CopyFrom(pb.Speculative(**speculative))
     if chat:
         request.messages.append(pb.ChatMessage(role="user", content=prompt))
     else:

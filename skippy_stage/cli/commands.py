@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from skippy_stage import logs
-from skippy_stage.cli.client import client_credentials, generate
+from skippy_stage.cli.client import add_speculative_flags, client_credentials, generate, speculative_flags
 from skippy_stage.cli.local import LocalPipeline, even_split, free_ports, parse_layers, pipeline_configs
-from skippy_stage.config import WIRE_DTYPES
+from skippy_stage.config import WIRE_DTYPES, StageConfig
 from skippy_stage.errors import SkippyError
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -44,6 +44,8 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
                                return_path=args.return_path)
     if getattr(args, "http_port", None) is not None:
         configs[0]["http_port"] = args.http_port
+    if getattr(args, "speculative", None) is not None or getattr(args, "draft_model", None):
+        configs[0]["speculative"] = speculative_flags(args)
     pipeline = LocalPipeline(configs, workdir, log_level=getattr(args, "stage_log_level", None))
     try:
         pipeline.wait_serving(args.start_timeout)
@@ -60,6 +62,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.http_port is not None:
         config = config.replace(http_port=args.http_port)
+    flags = speculative_flags(args)
+    if flags:
+        config = StageConfig.from_dict({**config.to_dict(), "speculative": {**config.to_dict()["speculative"], **flags}})
     logs.configure(args.log_level, static={"stage_id": config.stage_id, "run_id": config.run_id})
     return serve(config, grace_s=args.grace)
 
@@ -90,7 +95,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     generate(args.endpoint, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-              seed=args.seed, chat=args.chat, credentials=client_credentials(args))
+              seed=args.seed, chat=args.chat, credentials=client_credentials(args),
+              speculative=speculative_flags(args))
     if sys.stdout.isatty():
         sys.stdout.write("\n")  # only for people: piped output is exactly the generated text
     return 0
@@ -179,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="StageConfig JSON file")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain in-flight work on SIGTERM")
     p.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible API here (head only)")
+    add_speculative_flags(p, model=True)
     p.set_defaults(func=cmd_serve)
 
     def pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -201,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--stages", type=int)
     group.add_argument("--layers", help="e.g. 0:10,10:20,20:30")
     pipeline_args(p)
+    add_speculative_flags(p, model=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream a generation from a head stage")
@@ -213,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="client key (mutual TLS)")
     p.add_argument("--token-file", help="file holding the bearer token")
+    add_speculative_flags(p, model=False)
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 
