@@ -118,3 +118,124 @@ def test_the_openai_api_takes_speculative_settings_and_refuses_bad_ones_by_field
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="m", prompt="Hi", max_tokens=4, extra_body={"speculative": bad})
         assert field in str(err.value), (bad, str(err.value))
+
+
+class _PipelineDrafts:
+    """The pipeline's own model drafter as llama-cpp-python's draft model: the reference then
+    drafts exactly what the head drafts (same model, same calls in the same order)."""
+
+    def __init__(self, drafter, k: int) -> None:
+        self.drafter, self.k = drafter, k
+
+    def __call__(self, input_ids, **_: object):
+        import numpy as np
+
+        return np.asarray(self.drafter([int(t) for t in input_ids], self.k), dtype=np.intc)
+
+
+def test_the_model_drafter_runs_a_draft_gguf_at_the_head_and_equals_llama_with_the_same_drafts(
+        start_pipeline, smollm2):
+    from skippy_stage.head.drafting import ModelDrafter
+    from skippy_stage.model.tokenizer import Tokenizer
+
+    metrics_ports = free_ports("127.0.0.1", 3)
+    pipeline = start_pipeline(smollm2, RANGES, kv_unified=False, metrics_port=metrics_ports,
+                              speculative=[{"drafter": "model", "model_path": str(smollm2), "k": 3,
+                                            "adaptive": False}, None, None])
+    try:
+        texts = [generate(pipeline.head_endpoint, p, max_tokens=32) for p in (FREE_FORM, CODE)]
+        m = scrape(metrics_ports[0])
+        assert metric(m, "skippy_spec_accepted_tokens_total") > 0
+    finally:
+        pipeline.stop()
+    target = reference_llama(smollm2, n_ctx=2048, verbose=False)
+    drafter = ModelDrafter(str(smollm2), n_ctx=512 + 32, n_threads=1, target=Tokenizer(target._model.model))
+    llm = reference_llama(smollm2, n_ctx=2048, verbose=False, draft_model=_PipelineDrafts(drafter, 3))
+    try:
+        expected = [llm.create_completion(p, max_tokens=32, temperature=0)["choices"][0]["text"]
+                    for p in (FREE_FORM, CODE)]
+    finally:
+        llm.close()
+        drafter.close()
+        target.close()
+    assert texts == expected
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_by_name(smollm2, gemma3):
+    from skippy_stage.errors import ConfigError
+    from skippy_stage.head.drafting import ModelDrafter
+    from skippy_stage.model.tokenizer import Tokenizer
+
+    target = reference_llama(smollm2, n_ctx=256, verbose=False)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            ModelDrafter(str(gemma3), n_ctx=256, n_threads=1, target=Tokenizer(target._model.model))
+    finally:
+        target.close()
+    assert "speculative.model_path" in str(refused.value) and "vocabulary" in str(refused.value)
+
+
+def test_adaptive_k_stops_drafting_while_drafts_are_rejected_and_probes_to_start_again():
+    from skippy_stage.head.drafting import DraftBudget
+
+    budget = DraftBudget(k=4, adaptive=True)
+    assert budget.next_k() == 4
+    for _ in range(5):
+        budget.record(drafted=4, accepted=0)
+    assert [budget.next_k() for _ in range(16)].count(1) == 2, "one single-token probe every 8 steps"
+    for _ in range(6):
+        budget.record(drafted=1, accepted=1)
+    assert budget.next_k() == 4
+    fixed = DraftBudget(k=4, adaptive=False)
+    fixed.record(drafted=4, accepted=0)
+    assert fixed.next_k() == 4
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"drafter": "mtp"}, "native multi-token-prediction heads are not supported"),
+    ({"drafter": "ngram", "k": 99}, "speculative.k=99"),
+    ({"drafter": "model"}, "speculative.model_path"),
+    ({"drafter": "ngram", "model_path": "x.gguf"}, "speculative.model_path"),
+    ({"draft": "ngram"}, "unknown speculative key(s) draft"),
+])
+def test_a_head_config_with_bad_speculative_settings_is_refused_by_field(settings, field):
+    from skippy_stage.config import StageConfig
+    from skippy_stage.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        StageConfig.from_dict({"stage_id": "head", "stage_index": 0, "model_path": "m.gguf", "layer_start": 0,
+                               "layer_end": 30, "speculative": settings})
+    assert field in str(refused.value)
+
+
+def test_speculation_is_refused_by_name_on_a_stage_that_is_not_the_head():
+    from skippy_stage.config import StageConfig
+    from skippy_stage.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        StageConfig.from_dict({"stage_id": "s1", "stage_index": 1, "model_path": "m.gguf", "layer_start": 10,
+                               "layer_end": 30, "speculative": {"drafter": "ngram"}})
+    assert "not the head" in str(refused.value)
+
+
+def test_a_recurrent_model_refuses_the_rewind_speculation_needs_by_name(tmp_path):
+    """Rejected drafts are removed by cutting the session back; a recurrent state cannot be cut."""
+    from pathlib import Path
+
+    from skippy_stage.errors import InvalidRequestError
+    from skippy_stage.model import synthetic
+    from skippy_stage.model.chain import chain_configs
+    from skippy_stage.model.runtime import BatchEntry, StageRuntime
+
+    specs = synthetic.load_specs(Path(__file__).resolve().parent / "fixtures" / "archs.jsonl.gz")
+    model = synthetic.write_model(specs["mamba-dense"], tmp_path / "mamba.gguf", seed=42)
+    (config,) = chain_configs(model, [(0, 6)], tmp_path)
+    runtime = StageRuntime(config)
+    try:
+        assert not runtime.cuttable
+        runtime.run_batch([BatchEntry("s", [0, 1, 2], token_ids=[1, 2, 3], sample=True)])
+        with pytest.raises(InvalidRequestError, match=r"entries\[0\]\.rewind: .* recurrent model"):
+            runtime.run_batch([BatchEntry("s", [2, 3], token_ids=[3, 4], sample=True, rewind=True, verify=True)])
+        runtime.run_batch([BatchEntry("s", [3], token_ids=[4], sample=True)])  # the session is unharmed
+    finally:
+        runtime.close()

@@ -100,10 +100,27 @@ class StopScanner:
         return out
 
 
+def load_drafters(stage: Stage) -> Drafters:
+    """The head's drafters for its ``speculative`` config: the draft model loaded and its
+    vocabulary checked against the target's; refused for a model whose state cannot be cut back."""
+    runtime = stage.require_runtime()
+    cfg = stage.config
+    spec = cfg.speculative
+    if spec.enabled and not runtime.cuttable:
+        raise ConfigError(f"stage {cfg.stage_id}: speculative.drafter={spec.drafter!r}: this model's state cannot "
+                          f"be cut back (recurrent layers), so rejected drafts could not be removed")
+    if spec.drafter != "model" or not spec.model_path:
+        return Drafters()
+    return Drafters(ModelDrafter(spec.model_path, n_ctx=runtime.cells_per_lane + 32, n_threads=cfg.n_threads,
+                                 target=runtime.tokenizer))
+
+
 class Generator:
     """Runs generations through the chain below the head."""
 
-    def __init__(self, stage: Stage) -> None:
+    def __init__(self, stage: Stage, drafters: Drafters | None = None) -> None:
+        """``drafters``: loaded beforehand (``load_drafters``, at the stage's start, so a bad draft
+        model fails the start, not the first request)."""
         runtime = stage.require_runtime()
         if not stage.config.include_embeddings:
             raise InvalidRequestError(f"Generate is served by the head stage only; {stage.config.stage_id} is not stage 0")
@@ -111,13 +128,7 @@ class Generator:
         self.runtime = runtime
         self.max_context = runtime.cells_per_lane
         cfg = stage.config
-        spec = cfg.speculative
-        if spec.enabled and not runtime.cuttable:
-            raise ConfigError(f"stage {cfg.stage_id}: speculative.drafter={spec.drafter!r}: this model's state cannot "
-                              f"be cut back (recurrent layers), so rejected drafts could not be removed")
-        self.drafters = Drafters(ModelDrafter(spec.model_path, n_ctx=runtime.cells_per_lane + 32,
-                                              n_threads=cfg.n_threads, target=runtime.tokenizer)
-                                 if spec.drafter == "model" and spec.model_path else None)
+        self.drafters = drafters if drafters is not None else load_drafters(stage)
         metrics = stage.metrics
 
         def on_speculation(drafted: int, accepted: int) -> None:

@@ -103,6 +103,7 @@ class StageServer:
 
     def load(self) -> None:
         self.stage.load()
+        self.servicer.load_drafters()
         self._set_health(self.stage.ready)
 
     def drain(self, grace_s: float) -> None:

@@ -20,8 +20,8 @@ import grpc
 import structlog
 
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
-from skippy_stage.head.drafting import SpeculativeRequest
-from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator
+from skippy_stage.head.drafting import Drafters, SpeculativeRequest
+from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, load_drafters
 from skippy_stage.stage import codec
 from skippy_stage.stage.downstream import FAILED_STAGE_KEY
 from skippy_stage.stage.stage import Stage
@@ -61,6 +61,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self._generator: Generator | None = None
+        self._drafters: Drafters | None = None
         self._generator_lock = threading.Lock()
         self._return_streams: set[grpc.ServicerContext] = set()
         self._return_lock = threading.Lock()
@@ -76,17 +77,27 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                   stage_id=below.stage_id if below else self.stage.config.stage_id)
         with self._generator_lock:
             if self._generator is None:
-                self._generator = Generator(self.stage)
+                self._generator = Generator(self.stage, self._drafters)
+                self._drafters = None  # the generator owns them now
                 self.stage.metrics.gauge_from("queue_depth", self._generator.scheduler.queue_depth)
             return self._generator
+
+    def load_drafters(self) -> None:
+        """The head's drafters, at start: a draft model that does not load or does not share the
+        target's vocabulary fails the stage's start, naming it."""
+        if self.stage.config.include_embeddings and self.stage.config.speculative.enabled:
+            self._drafters = load_drafters(self.stage)
 
     def close(self) -> None:
         """Let admitted generations finish; refuse the ones still queued; then end the final
         stage's return stream, which would otherwise hold the server's drain for its grace."""
         with self._generator_lock:
             generator, self._generator = self._generator, None
+            drafters, self._drafters = self._drafters, None
         if generator is not None:
             generator.close()
+        if drafters is not None:
+            drafters.close()
         with self._return_lock:
             streams = list(self._return_streams)
         for context in streams:
