@@ -38,6 +38,13 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert report["hidden_state_capture"] == "native"
     assert all(v > 0 for v in report["pipeline_ms_per_token"].values())
     assert "decode ms/token, 3 stages" in run.stdout
+    # Speculative decoding: both prompts, with the ngram drafter and without, and the speed-up.
+    assert set(report["speculative"]) == {"repetitive", "free_form"}
+    for figures in report["speculative"].values():
+        assert figures["none"]["tokens_per_trip"] == 1.0
+        assert figures["ngram"]["ms_per_token"] > 0 and figures["ngram"]["tokens_per_trip"] >= 1.0
+        assert figures["speedup"] > 0
+    assert "speculative ngram, repetitive" in run.stdout
     # Both ways back to the head, measured side by side; and the hop's floor with no stage work.
     assert set(report["return_path_comparison_3_stage"]) == {"relay_ms_per_token", "direct_ms_per_token"}
     assert all(v > 0 for v in report["return_path_comparison_3_stage"].values())
