@@ -239,3 +239,36 @@ def test_a_recurrent_model_refuses_the_rewind_speculation_needs_by_name(tmp_path
         runtime.run_batch([BatchEntry("s", [3], token_ids=[4], sample=True)])  # the session is unharmed
     finally:
         runtime.close()
+
+
+def test_a_batch_asking_more_output_rows_than_n_ubatch_is_refused_and_the_stage_stays_up(smollm2, slice_cache):
+    """all_rows and verify output every row; llama.cpp's output buffer would grow to the largest
+    batch's rows x n_vocab floats, so the final stage bounds them (n_ubatch per batch)."""
+    from skippy_stage.errors import InvalidRequestError
+    from skippy_stage.model.chain import chain_configs
+    from skippy_stage.model.runtime import BatchEntry, StageRuntime
+
+    (config,) = chain_configs(smollm2, [(0, 30)], slice_cache, n_batch=64, n_ubatch=16)
+    runtime = StageRuntime(config)
+    try:
+        wide = [BatchEntry("a", range(12), token_ids=[42] * 12, sample=True, all_rows=True),
+                BatchEntry("b", range(8), token_ids=[42] * 8, sample=True, all_rows=True)]
+        with pytest.raises(InvalidRequestError, match=r"entries\[1\] brings the batch's output rows to 20: at most "
+                                                      r"n_ubatch=16"):
+            runtime.run_batch(wide)
+        assert runtime.stats().active_sessions == 0
+        runtime.run_batch(wide[:1])  # within the bound: runs
+        assert runtime.stats().active_sessions == 1
+    finally:
+        runtime.close()
+
+
+def test_a_speculating_session_reserves_kv_cells_for_the_drafts_past_its_answer():
+    from skippy_stage.head.drafting import DraftBudget
+    from skippy_stage.head.scheduler import Task
+    from skippy_stage.model.sampling import SamplingParams
+
+    plain = Task(session_id="a", prompt=[1] * 10, sampling=SamplingParams(), max_tokens=2)
+    speculating = Task(session_id="b", prompt=[1] * 10, sampling=SamplingParams(), max_tokens=2,
+                       draft_budget=DraftBudget(k=4, adaptive=True))
+    assert (plain.reserve(100), speculating.reserve(100), speculating.reserve(13)) == (12, 16, 13)

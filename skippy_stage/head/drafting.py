@@ -103,6 +103,8 @@ class ModelDrafter:
             return []
         out: list[int] = []
         with self._lock:
+            if self._llm is None:
+                return []
             for token in self._llm.generate(history, temp=0.0, top_k=1, reset=True):
                 out.append(int(token))
                 if len(out) >= k:
@@ -110,7 +112,13 @@ class ModelDrafter:
         return out
 
     def close(self) -> None:
-        llm, self._llm = getattr(self, "_llm", None), None
+        """Under the lock: a worker still drafting finishes first (the scheduler's join may time out)."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            llm, self._llm = getattr(self, "_llm", None), None
+        else:
+            with lock:
+                llm, self._llm = self._llm, None
         if llm is not None:
             llm.close()
 

@@ -105,7 +105,9 @@ class Task:
         return self._cancelled.is_set()
 
     def reserve(self, max_context: int) -> int:
-        return min(len(self.prompt) + self.max_tokens, max_context)
+        """KV cells to hold for it: prompt and answer, and the drafts a last step may carry past them."""
+        drafts = self.draft_budget.k if self.draft_budget is not None else 0
+        return min(len(self.prompt) + self.max_tokens + drafts, max_context)
 
     @property
     def to_feed(self) -> list[int]:
@@ -319,16 +321,19 @@ class Scheduler:
         task.cancel()
 
     def _entries(self, batch: list[Task]) -> tuple[list[StepEntry], list[tuple[Task, int]]]:
-        """Decode entries first (latency), then prompt chunks within the token budget."""
+        """Decode entries first (latency), then prompt chunks within the token budget, and within
+        the final stage's output rows (n_ubatch per batch: a verify entry and a speculating
+        session's prompt chunk output every row)."""
         budget = self.limits.n_batch
+        outputs = self.limits.n_ubatch
         entries: list[StepEntry] = []
         plan: list[tuple[Task, int]] = []
         for task in batch:
             if task.recovering is not None:
                 continue
-            if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0:
+            if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0 and outputs > 0:
                 position = len(task.prompt) + task.generated - 1
-                drafts = self._draft(task, position, budget - 1)
+                drafts = self._draft(task, position, min(budget, outputs) - 1)
                 n = 1 + len(drafts)
                 entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE,
                                          positions=range(position, position + n), token_ids=[task.last_token, *drafts],
@@ -336,12 +341,14 @@ class Scheduler:
                                          rewind=task.drafter is not None, verify=bool(drafts)))
                 plan.append((task, 0))
                 budget -= n
+                outputs -= n
         for task in batch:
             feed = task.to_feed
             remaining = len(feed) - task.prefilled
-            if task.recovering is not None or remaining <= 0 or budget <= 0:
+            every_row = task.drafter is not None
+            if task.recovering is not None or remaining <= 0 or budget <= 0 or outputs <= 0:
                 continue
-            n = min(remaining, self.limits.n_ubatch, budget)
+            n = min(remaining, self.limits.n_ubatch, budget, outputs if every_row else budget)
             start = task.prefilled
             if task.replay is not None:
                 # Re-feed tokens as they were first computed: llama.cpp's kernels differ between
@@ -355,9 +362,10 @@ class Scheduler:
                                      positions=range(start, start + n), token_ids=feed[start : start + n],
                                      sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
                                      # a speculating reference (logits_all) computes every prompt row
-                                     all_rows=task.drafter is not None))
+                                     all_rows=every_row))
             plan.append((task, n))
             budget -= n
+            outputs -= n if every_row else int(last)
         return entries, plan
 
     def _draft(self, task: Task, position: int, room: int) -> list[int]:

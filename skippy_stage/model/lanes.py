@@ -46,6 +46,9 @@ class SessionLane:
     lane: int
     n_tokens: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    # Batches that fed it (every stage sees the same ones): a count that only grows, where the
+    # token count may come back (speculative rewinds).
+    batches: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class LaneRow:
     state: str  # "active", "idle" (warm, reset) or "free"
     session_id: str | None
     n_tokens: int
+    batches: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,12 +156,14 @@ class LaneTable:
     def lane_of(self, session_id: str) -> SessionLane | None:
         with self._lock:
             found = self._sessions.get(session_id)
-            return None if found is None else SessionLane(found.session_id, found.lane, found.n_tokens, found.last_used)
+            return None if found is None else SessionLane(found.session_id, found.lane, found.n_tokens, found.last_used,
+                                                          found.batches)
 
     def resident_lane(self, prefix_id: str) -> SessionLane | None:
         with self._lock:
             found = self._resident.get(prefix_id)
-            return None if found is None else SessionLane(found.session_id, found.lane, found.n_tokens, found.last_used)
+            return None if found is None else SessionLane(found.session_id, found.lane, found.n_tokens, found.last_used,
+                                                          found.batches)
 
     def next_position(self, session_id: str) -> int:
         with self._lock:
@@ -170,7 +176,7 @@ class LaneTable:
         with self._lock:
             rows: dict[int, LaneRow] = {}
             for s in self._sessions.values():
-                rows[s.lane] = LaneRow(s.lane, "active", s.session_id, s.n_tokens)
+                rows[s.lane] = LaneRow(s.lane, "active", s.session_id, s.n_tokens, s.batches)
             for lane in self._idle:
                 rows[lane] = LaneRow(lane, "idle", None, 0)
             for lane in self._free:
@@ -284,11 +290,13 @@ class LaneTable:
             lanes = {a.session_id: self._sessions[a.session_id].lane for a in admissions}
             return lanes, bound_now
 
-    def advance(self, session_id: str, n_tokens: int) -> None:
-        """Record tokens that llama.cpp has accepted into the session's lane."""
+    def advance(self, session_id: str, n_tokens: int, *, batches: int | None = None) -> None:
+        """Record tokens that llama.cpp has accepted into the session's lane (one batch, or an
+        imported page's ``batches``)."""
         with self._lock:
             s = self._sessions[session_id]
             s.n_tokens += n_tokens
+            s.batches = s.batches + 1 if batches is None else batches
             s.last_used = time.monotonic()
 
     def release(self, session_ids: Sequence[str]) -> None:

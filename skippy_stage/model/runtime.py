@@ -122,6 +122,7 @@ class KvPageDesc:
     cache_type_k: str
     cache_type_v: str
     n_ctx: int  # cells of the context it came from (informational: the lane must hold n_tokens)
+    batches: int = 0  # batches that fed the session (the importer's count goes on from it)
 
 
 @dataclass(frozen=True)
@@ -303,6 +304,7 @@ class StageRuntime:
         seen: set[str] = set()
         checked: list[_Checked] = []
         total = 0
+        outputs = 0
         for i, e in enumerate(entries):
             where = f"entries[{i}]"
             if not isinstance(e.session_id, str) or not e.session_id or len(e.session_id) > MAX_SESSION_ID_LEN:
@@ -359,6 +361,11 @@ class StageRuntime:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
             if e.sample:
                 (e.sampling or SamplingParams()).validate()
+            outputs += int(pos.shape[0]) if (e.all_rows or e.verify) else int(e.sample or e.want_logits)
+            if cfg.include_output and outputs > cfg.n_ubatch:
+                # llama.cpp's output buffer grows to the largest batch's outputs x n_vocab floats
+                raise InvalidRequestError(f"{where} brings the batch's output rows to {outputs}: at most "
+                                          f"n_ubatch={cfg.n_ubatch} per batch (all_rows and verify output every row)")
             if e.rewind and not self._cuttable:
                 raise InvalidRequestError(f"{where}.rewind: stage {cfg.stage_id} holds a recurrent model, whose state "
                                           f"cannot be cut back (no speculative decoding)")
@@ -377,9 +384,11 @@ class StageRuntime:
         """
         checked = self._check(entries)
         with self._compute:
-            for c in checked:
-                if c.entry.rewind:
-                    self._rewind(c.entry.session_id, int(c.positions[0]))
+            rewinds = [(i, c) for i, c in enumerate(checked) if c.entry.rewind]
+            for i, c in rewinds:  # every one checked before any is applied
+                self._check_rewind(i, c.entry.session_id, int(c.positions[0]))
+            for _, c in rewinds:
+                self._rewind(c.entry.session_id, int(c.positions[0]))
             lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n, c.entry.prefix_id)
                                            for c in checked])
             for c in checked:
@@ -394,6 +403,17 @@ class StageRuntime:
             for c in checked:
                 self.lanes.advance(c.entry.session_id, c.n)
         return results
+
+    def _check_rewind(self, index: int, session_id: str, keep: int) -> None:
+        """Refuse a rewind behind a sliding window's oldest kept cell (the cells before ``keep``
+        that the session needs may be gone), naming the entry."""
+        bound = self.lanes.lane_of(session_id)
+        if bound is None or keep >= bound.n_tokens or not self._swa_window or self.config.swa_full:
+            return
+        if int(llama_cpp.llama_memory_seq_pos_min(self._mem, bound.lane)) > max(0, keep - self._swa_window):
+            raise SessionStateError(f"entries[{index}].rewind to positions[0]={keep}: session_id={session_id!r} on "
+                                    f"stage {self.config.stage_id} no longer holds the sliding window's cells "
+                                    f"before it (set swa_full: true to speculate this far back)")
 
     def _rewind(self, session_id: str, keep: int) -> None:
         """Drop a live session's KV (and sampling history) from ``keep`` on: the drafts the final
@@ -557,13 +577,13 @@ class StageRuntime:
                 self._digest = h.hexdigest()
         return self._digest
 
-    def page_descriptor(self, n_tokens: int) -> KvPageDesc:
+    def page_descriptor(self, n_tokens: int, batches: int = 0) -> KvPageDesc:
         cfg = self.config
         return KvPageDesc(KV_PAGE_VERSION, self.model_digest(), cfg.layer_start, cfg.layer_end, n_tokens,
-                          cfg.cache_type_k, cfg.cache_type_v, self.n_ctx)
+                          cfg.cache_type_k, cfg.cache_type_v, self.n_ctx, batches)
 
     def export_session(self, session_id: str, max_bytes: int, *, tokens: int | None = None,
-                       release: bool = False) -> KvPage:
+                       batches: int | None = None, release: bool = False) -> KvPage:
         """A live session's KV on this stage, as a page another stage of the same layers imports.
 
         ``tokens``: the count the caller expects it to hold (refused otherwise, so a page never
@@ -578,6 +598,9 @@ class StageRuntime:
             if tokens is not None and bound.n_tokens != tokens:
                 raise SessionStateError(f"session_id={session_id!r} holds {bound.n_tokens} tokens on stage "
                                         f"{self.config.stage_id}, not the wait_for_tokens={tokens} asked for")
+            if batches is not None and not resident and bound.batches != batches:
+                raise SessionStateError(f"session_id={session_id!r} was fed {bound.batches} batches on stage "
+                                        f"{self.config.stage_id}, not the wait_for_batches={batches} asked for")
             size = int(llama_cpp.llama_state_seq_get_size(self._ctx, bound.lane))
             if size > max_bytes:
                 raise CapacityError(f"session_id={session_id!r}: its KV page is {size} bytes on stage "
@@ -596,7 +619,7 @@ class StageRuntime:
         if release:
             self.log.info("session exported and released", session_id=session_id, lane=bound.lane,
                           tokens=bound.n_tokens, page_bytes=written)
-        return KvPage(self.page_descriptor(bound.n_tokens), bytes(buf)[:written], history)
+        return KvPage(self.page_descriptor(bound.n_tokens, bound.batches), bytes(buf)[:written], history)
 
     def import_session(self, session_id: str, page: KvPage, *, resident: bool = False) -> int:
         """Bind ``session_id`` to a lane holding ``page``'s KV; refuses a page cut from anything else,
@@ -640,7 +663,7 @@ class StageRuntime:
                 raise InvalidRequestError(f"page.data ({len(page.data)} bytes) is not a KV state of "
                                           f"page.descriptor.n_tokens={got.n_tokens} positions that llama.cpp "
                                           f"accepts on stage {self.config.stage_id}")
-            self.lanes.advance(session_id, got.n_tokens)
+            self.lanes.advance(session_id, got.n_tokens, batches=got.batches)
             if page.token_ids:
                 self._history[session_id] = list(page.token_ids)
         self.log.info("session imported", session_id=session_id, lane=lanes[session_id], tokens=got.n_tokens,

@@ -220,6 +220,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
     @_unary
     def ExportSession(self, request, context):  # noqa: N802
         return codec.page_to_pb(self.stage.export_session(request.session_id, wait_for_tokens=request.wait_for_tokens,
+                                                          wait_for_batches=request.wait_for_batches,
                                                           release=request.release,
                                                           remaining_s=context.time_remaining()))
 

@@ -265,11 +265,12 @@ def page_to_pb(page: KvPage) -> pb.KvPage:
     d = page.descriptor
     return pb.KvPage(descriptor=pb.KvPageDesc(
         version=d.version, model_digest=d.model_digest, layer_start=d.layer_start, layer_end=d.layer_end,
-        n_tokens=d.n_tokens, cache_type_k=d.cache_type_k, cache_type_v=d.cache_type_v, n_ctx=d.n_ctx),
+        n_tokens=d.n_tokens, cache_type_k=d.cache_type_k, cache_type_v=d.cache_type_v, n_ctx=d.n_ctx,
+        batches=d.batches),
         data=page.data, token_ids=list(page.token_ids))
 
 
 def page_from_pb(msg: pb.KvPage) -> KvPage:
     d = msg.descriptor
     return KvPage(KvPageDesc(d.version, d.model_digest, d.layer_start, d.layer_end, d.n_tokens, d.cache_type_k,
-                             d.cache_type_v, d.n_ctx), bytes(msg.data), tuple(msg.token_ids))
+                             d.cache_type_v, d.n_ctx, d.batches), bytes(msg.data), tuple(msg.token_ids))

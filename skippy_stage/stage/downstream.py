@@ -159,11 +159,13 @@ class DownstreamClient:
         except grpc.RpcError as err:
             raise self._translate(err) from None
 
-    def export_session(self, session_id: str, *, wait_for_tokens: int, release: bool, timeout_s: float) -> KvPage:
+    def export_session(self, session_id: str, *, wait_for_tokens: int, release: bool, timeout_s: float,
+                       wait_for_batches: int = 0) -> KvPage:
         """The downstream's own KV page of a session (that stage only, not the ones below it)."""
         try:
             return codec.page_from_pb(self._stub.ExportSession(
-                pb.ExportSessionRequest(session_id=session_id, wait_for_tokens=wait_for_tokens, release=release),
+                pb.ExportSessionRequest(session_id=session_id, wait_for_tokens=wait_for_tokens,
+                                        wait_for_batches=wait_for_batches, release=release),
                 timeout=timeout_s, metadata=self._metadata))
         except grpc.RpcError as err:
             raise self._translate(err) from None

@@ -47,23 +47,24 @@ class Handoff:
     seconds: float
 
 
-def live_sessions(stage: Stage) -> list[tuple[str, int]]:
-    """(session_id, tokens) of every session bound here: with the gate closed, what the stage
-    below holds of each (every session of a chain passes every stage)."""
+def live_sessions(stage: Stage) -> list[tuple[str, int, int]]:
+    """(session_id, tokens, batches) of every session bound here: with the gate closed, what the
+    stage below will hold of each once the frames on their way land (every session of a chain
+    passes every stage, in the same batches)."""
     stats = stage.require_runtime().stats()
-    return [(row.session_id, row.n_tokens) for row in stats.lanes
+    return [(row.session_id, row.n_tokens, row.batches) for row in stats.lanes
             if row.state == "active" and row.session_id and row.n_tokens > 0]
 
 
 def _move(stage: Stage, draining: DownstreamClient, stand_in: DownstreamClient, session_id: str, tokens: int,
-          deadline: float, *, resident: bool) -> str | None:
+          deadline: float, *, resident: bool, batches: int = 0) -> str | None:
     """One session's (or resident prefix's) page from the draining stage to the stand-in; the
     reason when it did not move."""
     left = deadline - time.monotonic()
     if left <= 0:
         return f"hand-off budget ({HANDOFF_BUDGET_S}s) used up"
     try:
-        page = draining.export_session(session_id, wait_for_tokens=tokens, release=True,
+        page = draining.export_session(session_id, wait_for_tokens=tokens, wait_for_batches=batches, release=True,
                                        timeout_s=min(left, SESSION_WAIT_S))
         stand_in.import_session(session_id, page, max(0.001, deadline - time.monotonic()), resident=resident)
     except SkippyError as exc:
@@ -85,11 +86,12 @@ def hand_off(stage: Stage, stand_in: DownstreamClient, budget_s: float = HANDOFF
     runtime = stage.runtime
     try:
         with stage.gate.closed(budget_s) as quiet:
-            for session_id, tokens in live_sessions(stage):
+            for session_id, tokens, batches in live_sessions(stage):
                 why = "frames still passing after the budget" if not quiet or draining is None else None
                 if why is None and runtime.lanes.lane_of(session_id) is None:
                     continue  # freed meanwhile (a failed step)
-                why = why or _move(stage, draining, stand_in, session_id, tokens, deadline, resident=False)
+                why = why or _move(stage, draining, stand_in, session_id, tokens, deadline, resident=False,
+                                   batches=batches)
                 if why is None:
                     moved.append(session_id)
                 else:

@@ -708,26 +708,28 @@ class Stage:
                                       code_name=exc.code_name) from None
         return stages
 
-    def export_session(self, session_id: str, *, wait_for_tokens: int = 0, release: bool = False,
-                       remaining_s: float | None = None) -> KvPage:
+    def export_session(self, session_id: str, *, wait_for_tokens: int = 0, wait_for_batches: int = 0,
+                       release: bool = False, remaining_s: float | None = None) -> KvPage:
         """This stage's KV of a live session, as a page (for a stand-in of the same layers).
 
         ``wait_for_tokens``: the upstream of a draining stage names the count it has sent; the
         frames still on their way land first (polled: a hand-off is rare and short), and the page
-        then holds exactly that many. ``release``: the session moved, free its lane here."""
+        then holds exactly that many (``wait_for_batches``: and was fed exactly that many batches, a
+        count a speculative rewind cannot take back). ``release``: the session moved, free its lane."""
         _check_session_id(session_id)
         runtime = self.require_runtime()
-        if wait_for_tokens:
+        if wait_for_tokens or wait_for_batches:
             budget = timeout_for(remaining_s, self.timeouts.hop_s)
             # stop waiting a little before the caller's deadline, so it hears why, not a timeout
             deadline = time.monotonic() + budget - min(0.1, budget / 2)
             while time.monotonic() < deadline:
                 bound = runtime.lanes.lane_of(session_id)
-                if bound is None or bound.n_tokens >= wait_for_tokens:
+                if bound is None or (bound.batches >= wait_for_batches if wait_for_batches
+                                     else bound.n_tokens >= wait_for_tokens):
                     break
                 time.sleep(0.002)
         page = runtime.export_session(session_id, self.config.max_message_bytes, tokens=wait_for_tokens or None,
-                                      release=release)
+                                      batches=wait_for_batches or None, release=release)
         if release:
             self._moved_away += 1
         self.metrics.sessions_moved.labels("exported").inc()

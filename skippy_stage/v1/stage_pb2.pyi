@@ -286,7 +286,7 @@ class TrimSessionResponse(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageTrim, _Mapping]]] = ...) -> None: ...
 
 class KvPageDesc(_message.Message):
-    __slots__ = ("version", "model_digest", "layer_start", "layer_end", "n_tokens", "cache_type_k", "cache_type_v", "n_ctx")
+    __slots__ = ("version", "model_digest", "layer_start", "layer_end", "n_tokens", "cache_type_k", "cache_type_v", "n_ctx", "batches")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,7 @@ class KvPageDesc(_message.Message):
     CACHE_TYPE_K_FIELD_NUMBER: _ClassVar[int]
     CACHE_TYPE_V_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_digest: str
     layer_start: int
@@ -303,7 +304,8 @@ class KvPageDesc(_message.Message):
     cache_type_k: str
     cache_type_v: str
     n_ctx: int
-    def __init__(self, version: _Optional[int] = ..., model_digest: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., n_tokens: _Optional[int] = ..., cache_type_k: _Optional[str] = ..., cache_type_v: _Optional[str] = ..., n_ctx: _Optional[int] = ...) -> None: ...
+    batches: int
+    def __init__(self, version: _Optional[int] = ..., model_digest: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., n_tokens: _Optional[int] = ..., cache_type_k: _Optional[str] = ..., cache_type_v: _Optional[str] = ..., n_ctx: _Optional[int] = ..., batches: _Optional[int] = ...) -> None: ...
 
 class KvPage(_message.Message):
     __slots__ = ("descriptor", "data", "token_ids")
@@ -316,14 +318,16 @@ class KvPage(_message.Message):
     def __init__(self, descriptor: _Optional[_Union[KvPageDesc, _Mapping]] = ..., data: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportSessionRequest(_message.Message):
-    __slots__ = ("session_id", "wait_for_tokens", "release")
+    __slots__ = ("session_id", "wait_for_tokens", "release", "wait_for_batches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_BATCHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     wait_for_tokens: int
     release: bool
-    def __init__(self, session_id: _Optional[str] = ..., wait_for_tokens: _Optional[int] = ..., release: _Optional[bool] = ...) -> None: ...
+    wait_for_batches: int
+    def __init__(self, session_id: _Optional[str] = ..., wait_for_tokens: _Optional[int] = ..., release: _Optional[bool] = ..., wait_for_batches: _Optional[int] = ...) -> None: ...
 
 class ImportSessionRequest(_message.Message):
     __slots__ = ("session_id", "page", "resident")
