@@ -81,4 +81,5 @@ def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float,
     elapsed = time.perf_counter() - started
     n = final.completion_tokens if final else 0
     return {"ttft_s": first or elapsed, "seconds": elapsed, "completion_tokens": n,
+            "prompt_tokens": final.prompt_tokens if final else 0,
             "tokens_per_s": (n - 1) / max(elapsed - (first or 0), 1e-9) if n > 1 else 0.0}
