@@ -595,7 +595,8 @@ class _BearerToken:
         self._expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        # /health answers without it, as the gRPC health service does: probes carry no token.
+        if scope["type"] == "http" and scope.get("path") != "/health":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self._expected):
                 body = _error_body("missing or wrong bearer token in the Authorization header",
@@ -613,7 +614,25 @@ def build_app(servicer: Any, live: _Live | None = None, *, token: str | None = N
         model = {"id": _model_id(servicer), "object": "model", "created": 0, "owned_by": "skippy-stage"}
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def health(_request: Request) -> Response:
+        """200 only while this stage serves and the whole chain below answers: the gRPC health
+        service's truth; 503 with the reason otherwise."""
+        stage = servicer.stage
+        if stage.ready:
+            return JSONResponse({"status": "ok", "stage_id": stage.config.stage_id})
+        reason = (f"stage {stage.config.stage_id} is {stage.state.value}" if stage.state.value != "serving"
+                  else f"the chain below {stage.config.stage_id} is not ready: {stage.downstream_health.detail}")
+        return JSONResponse({"status": "unavailable", "stage_id": stage.config.stage_id, "reason": reason},
+                            status_code=503)
+
+    async def metrics(_request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(servicer.stage.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", _Endpoint(servicer, live, chat=False).handle, methods=["POST"]),
         Route("/v1/chat/completions", _Endpoint(servicer, live, chat=True).handle, methods=["POST"]),

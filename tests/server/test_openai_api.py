@@ -299,6 +299,45 @@ def test_a_stage_down_gets_503(smollm2, start_pipeline):
         pipeline.stop()
 
 
+def http_get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_http_health_follows_the_chain_below_and_metrics_are_served_beside_it(smollm2, start_pipeline):
+    """An operator who exposes only the HTTP port probes and scrapes it there: /health is the gRPC
+    health service's truth (200 only while the chain answers, 503 with the reason), /metrics the
+    stage's Prometheus registry."""
+    pipeline, base_url = start_api(start_pipeline, smollm2)
+    root = base_url.removesuffix("/v1")
+    try:
+        status, body = http_get(f"{root}/health")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        client_for(base_url).completions.create(model="m", prompt="Hi", max_tokens=2)
+        status, body = http_get(f"{root}/metrics")
+        assert status == 200 and b'skippy_stage_info{stage_id="stage-0"} 1.0' in body
+        assert b"skippy_lanes_active" in body and b"skippy_compute_seconds_count" in body
+        os.kill(pipeline.procs[2].pid, signal.SIGKILL)
+        pipeline.procs[2].wait(10)
+        deadline = time.monotonic() + 20
+        while (answer := http_get(f"{root}/health"))[0] == 200:
+            assert time.monotonic() < deadline, "/health still 200 with stage-2 killed"
+            time.sleep(0.1)
+        status, body = answer
+        assert status == 503 and "stage-2" in json.loads(body)["reason"]
+        pipeline.restart(2)
+        deadline = time.monotonic() + 90
+        while http_get(f"{root}/health")[0] != 200:
+            assert time.monotonic() < deadline, "/health not 200 again after stage-2 restarted"
+            time.sleep(0.2)
+    finally:
+        pipeline.stop()
+
+
 def test_with_an_auth_token_every_request_must_carry_it_as_the_api_key(smollm2, start_pipeline, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
@@ -317,5 +356,9 @@ def test_with_an_auth_token_every_request_must_carry_it_as_the_api_key(smollm2, 
         client = openai.OpenAI(base_url=base_url, api_key="s3cret-token", max_retries=0, timeout=60)
         answer = client.chat.completions.create(model="m", messages=CHATS[0], temperature=0, max_tokens=4)
         assert answer.choices[0].message.content
+        root = base_url.removesuffix("/v1")
+        assert http_get(f"{root}/health")[0] == 200, "probes carry no token"
+        assert http_get(f"{root}/metrics")[0] == 401
+        assert http_get(f"{root}/metrics", "s3cret-token")[0] == 200
     finally:
         pipeline.stop()
