@@ -10,11 +10,13 @@ start of a stop string, so what a client reads equals what llama-cpp-python's
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import queue
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import llama_cpp
 import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -23,7 +25,7 @@ from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, Spec
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
 from skippy_stage.model.runtime import StageRuntime
-from skippy_stage.model.sampling import SamplingParams
+from skippy_stage.model.sampling import SamplingParams, parse_grammar
 from skippy_stage.stage.stage import Stage
 
 log = structlog.get_logger("skippy_stage.head")
@@ -202,8 +204,12 @@ class Generator:
                 f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} "
                 f"({self.runtime.session_limit_hint})"
             )
-        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=spec.sampling,
-                    max_tokens=spec.max_tokens)
+        sampling = spec.sampling
+        if sampling.grammar:
+            # refused here, before any stage computes; it constrains the generated tokens only
+            llama_cpp.llama_sampler_free(parse_grammar(self.runtime.vocab, sampling.grammar))
+            sampling = dataclasses.replace(sampling, grammar_start=len(prompt))
+        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=sampling, max_tokens=spec.max_tokens)
         speculation = self.stage.config.speculative
         if spec.speculative is not None:
             speculation = spec.speculative.over(speculation)

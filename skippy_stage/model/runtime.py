@@ -161,6 +161,7 @@ class StageRuntime:
         self.tokenizer = Tokenizer(self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.vocab = self._vocab
         self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
         n_embd_inp = int(llama_cpp.llama_model_n_embd_inp(self._model))
         if not config.include_embeddings and n_embd_inp != self.n_embd:
@@ -531,8 +532,15 @@ class StageRuntime:
         state = self._samplers.get(session_id)
         if state is None or state.chain.params != params:
             if state is not None:
-                state.chain.close()
-            state = _SessionSampler(SamplerChain(params, self.n_vocab), accepted=max(0, len(history) - params.repeat_last_n))
+                self._samplers.pop(session_id).chain.close()
+            chain = SamplerChain(params, self.n_vocab, self._vocab)
+            try:
+                for token in history[params.grammar_start:]:  # a rebuilt chain: what was generated so far
+                    chain.accept_generated(token)
+            except BaseException:
+                chain.close()
+                raise
+            state = _SessionSampler(chain, accepted=max(0, len(history) - params.repeat_last_n))
             self._samplers[session_id] = state
         for token in history[min(state.accepted, len(history)) :]:
             state.chain.accept(token)

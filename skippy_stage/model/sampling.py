@@ -7,15 +7,19 @@ the seeded distribution — or greedy when the temperature is 0.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
 import llama_cpp
+import numpy as np
 
 from skippy_stage.errors import InvalidRequestError
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
 RANDOM_SEED = 0xFFFFFFFF
+MAX_GRAMMAR_CHARS = 256 * 1024
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,10 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = RANDOM_SEED
+    # GBNF the sampled tokens must follow (structured output), from position ``grammar_start`` on
+    # (the head sets it to the prompt's length); "" for none.
+    grammar: str = ""
+    grammar_start: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +51,9 @@ class SamplingParams:
              math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0.0, "> 0"),
             ("repeat_last_n", self.repeat_last_n, 0 <= self.repeat_last_n <= 4096, "in [0, 4096]"),
             ("seed", self.seed, 0 <= self.seed <= 0xFFFFFFFF, "in [0, 2^32-1]"),
+            ("grammar", f"<{len(self.grammar)} characters>", len(self.grammar) <= MAX_GRAMMAR_CHARS,
+             f"at most {MAX_GRAMMAR_CHARS} characters"),
+            ("grammar_start", self.grammar_start, 0 <= self.grammar_start < 2**31, "in [0, 2^31)"),
         )
         for name, value, ok, why in checks:
             if not ok:
@@ -50,17 +61,44 @@ class SamplingParams:
         return self
 
 
-class SamplerChain:
-    """A llama.cpp sampler chain that owns its native memory."""
+def parse_grammar(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.llama_sampler_p:
+    """llama.cpp's grammar sampler for ``grammar`` (GBNF, rule ``root``), or InvalidRequestError."""
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not sampler:
+        raise InvalidRequestError("sampling.grammar does not parse: llama.cpp's GBNF parser refused it "
+                                  "(it needs a 'root' rule)")
+    return sampler
 
-    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+
+class SamplerChain:
+    """A llama.cpp sampler chain that owns its native memory, in llama-cpp-python's order
+    (penalties, grammar, then top-k ... and the draw).
+
+    With a grammar, sampling goes through the chain by hand: llama.cpp's grammar *aborts the
+    process* when it accepts a token it does not allow (a dead end where every token is masked, an
+    EOG before the grammar is complete), so a token is checked against the grammar before it is
+    accepted, and a dead end is an error. History tokens (``accept``) feed the penalties only."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int, vocab: llama_cpp.llama_vocab_p | None = None) -> None:
         self.params = params
+        self.n_vocab = n_vocab
+        self._penalties = None
+        self._grammar = None
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
         add = lambda s: llama_cpp.llama_sampler_chain_add(self._chain, s)  # noqa: E731
         if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
-            add(llama_cpp.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+            self._penalties = llama_cpp.llama_sampler_init_penalties(n_vocab, params.repeat_last_n,
+                                                                     params.repeat_penalty, 0.0, 0.0)
+            add(self._penalties)
+        if params.grammar:
+            if vocab is None:
+                raise InvalidRequestError("sampling.grammar needs the stage's vocabulary")
+            self._grammar = parse_grammar(vocab, params.grammar)
+            add(self._grammar)
+            self._cur = np.empty(n_vocab, dtype=_TOKEN_DATA)
+            self._one = np.empty(1, dtype=_TOKEN_DATA)
         if params.greedy:
             add(llama_cpp.llama_sampler_init_greedy())
             return
@@ -74,12 +112,48 @@ class SamplerChain:
         add(llama_cpp.llama_sampler_init_dist(params.seed))
 
     def accept(self, token: int) -> None:
-        """Feed a token into the chain's history (what repetition penalties look at)."""
-        llama_cpp.llama_sampler_accept(self._chain, token)
+        """Feed a history token to what looks at history: the repetition penalties."""
+        if self._penalties is not None:
+            llama_cpp.llama_sampler_accept(self._penalties, token)
+
+    def _allowed(self, token: int) -> bool:
+        one = self._one
+        one[0] = (token, 0.0, 0.0)
+        arr = llama_cpp.llama_token_data_array(one.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), 1, -1,
+                                               False)
+        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        return bool(np.isfinite(one[0]["logit"]))
+
+    def accept_generated(self, token: int) -> None:
+        """Replay a token sampled before (a rebuilt chain: after a trim, a hand-off, a recovery) into
+        the grammar, refusing one it does not allow rather than letting llama.cpp abort."""
+        if self._grammar is None:
+            return
+        if not self._allowed(token):
+            raise InvalidRequestError(f"token {token} of the session's generated text does not follow sampling.grammar")
+        llama_cpp.llama_sampler_accept(self._grammar, token)
 
     def sample(self, ctx: llama_cpp.llama_context_p, output_index: int) -> int:
         """Sample from the logits of batch row ``output_index``; the token is accepted too."""
-        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, output_index))
+        if self._grammar is None:
+            return int(llama_cpp.llama_sampler_sample(self._chain, ctx, output_index))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, output_index), shape=(self.n_vocab,))
+        cur = self._cur
+        cur["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        arr = llama_cpp.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                               self.n_vocab, -1, False)
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        selected = int(arr.selected)
+        view = np.ctypeslib.as_array(arr.data, shape=(int(arr.size),)).view(_TOKEN_DATA) if arr.size else None
+        if view is None or not 0 <= selected < int(arr.size) or not np.isfinite(view[selected]["logit"]):
+            raise InvalidRequestError("sampling.grammar allows no token here (a dead end of the grammar)")
+        token = int(view[selected]["id"])
+        if not self._allowed(token):
+            raise InvalidRequestError(f"sampling.grammar does not allow token {token} sampled here")
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        return token
 
     def close(self) -> None:
         if self._chain is not None:

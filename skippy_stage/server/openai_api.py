@@ -75,7 +75,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
-    "response_format": ({"type": "text"},),
 }
 
 
@@ -239,6 +238,34 @@ def _speculative(value: object) -> SpeculativeRequest | None:
     return SpeculativeRequest(drafter=drafter, adaptive=adaptive, **numbers)
 
 
+def _response_format(value: object) -> str:
+    """The GBNF grammar for ``response_format`` ("" for text): ``json_object`` is llama.cpp's JSON
+    grammar, ``json_schema`` goes through llama-cpp-python's JSON-schema converter; a schema it
+    cannot handle is refused by name, never ignored."""
+    if value is None:
+        return ""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidFieldError("response_format", f"response_format must be an object with a type, got {_show(value)}")
+    kind = value["type"]
+    if kind == "text":
+        return ""
+    from llama_cpp import llama_grammar
+
+    if kind == "json_object":
+        return llama_grammar.JSON_GBNF
+    if kind != "json_schema":
+        raise InvalidFieldError("response_format", f"response_format.type={kind!r} must be text, json_object or "
+                                                   f"json_schema")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidFieldError("response_format", "response_format.json_schema.schema must be a JSON schema object")
+    try:
+        return llama_grammar.json_schema_to_gbnf(json.dumps(spec["schema"]))
+    except Exception as exc:  # noqa: BLE001 - the converter's own failures, whatever their type: a 400 naming it
+        raise InvalidFieldError("response_format", f"response_format.json_schema.schema cannot be turned into a "
+                                                   f"grammar: {type(exc).__name__}: {exc}") from None
+
+
 def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body, field by field."""
     if not isinstance(body, dict):
@@ -272,7 +299,8 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     if options is not None and not isinstance(options, dict):
         raise InvalidFieldError("stream_options", f"stream_options must be an object, got {_json_kind(options)}")
     include_usage = _bool_field(options or {}, "include_usage")
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=RANDOM_SEED if seed is None else seed)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=RANDOM_SEED if seed is None else seed,
+                              grammar=_response_format(body.get("response_format")))
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                          speculative=_speculative(body.get("speculative")))

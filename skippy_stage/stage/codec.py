@@ -54,6 +54,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         repeat_penalty=float(msg.repeat_penalty) if msg.HasField("repeat_penalty") else 1.0,
         repeat_last_n=int(msg.repeat_last_n) if msg.HasField("repeat_last_n") else 64,
         seed=int(msg.seed) if msg.HasField("seed") else RANDOM_SEED,
+        grammar=msg.grammar,
+        grammar_start=int(msg.grammar_start),
     )
 
 
@@ -65,6 +67,8 @@ def sampling_to_pb(params: SamplingParams | None) -> pb.SamplingParams:
     msg.repeat_last_n = p.repeat_last_n
     if p.seed != RANDOM_SEED:
         msg.seed = p.seed
+    if p.grammar:
+        msg.grammar, msg.grammar_start = p.grammar, p.grammar_start
     return msg
 
 

@@ -1,0 +1,102 @@
+"""Structured output through a real 3-stage pipeline: ``response_format`` constrains sampling at the
+final stage with llama.cpp's grammar sampler (JSON schemas through llama-cpp-python's converter),
+so every answer parses and validates, at any temperature; a schema the converter cannot handle is
+refused by name. A grammar can never make a stage abort: a token it does not allow is refused, not
+accepted (llama.cpp aborts the process on one)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from skippy_stage.cli.local import free_ports
+from skippy_stage.v1 import stage_pb2 as pb
+from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+RANGES = [(0, 10), (10, 20), (20, 30)]
+SCHEMAS = {
+    "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+               "required": ["name", "age"], "additionalProperties": False},
+    "colour": {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                                "bright": {"type": "boolean"}},
+               "required": ["colour", "bright"], "additionalProperties": False},
+    "list": {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                        "minItems": 1, "maxItems": 3}},
+             "required": ["items"], "additionalProperties": False},
+    "point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"},
+                                               "label": {"type": "string", "maxLength": 8}},
+              "required": ["x", "y"], "additionalProperties": False},
+}
+QUESTIONS = {"person": "Invent a person and give their name and age as JSON.",
+             "colour": "Pick a colour and say whether it is bright, as JSON.",
+             "list": "List up to three fruits as JSON.",
+             "point": "Give a point on a plane as JSON."}
+
+
+@pytest.fixture(scope="module")
+def api(start_pipeline, smollm2):
+    port = free_ports("127.0.0.1", 1)[0]
+    pipeline = start_pipeline(smollm2, RANGES, http_port=[port, None, None], kv_unified=False)
+    yield pipeline, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                  timeout=300)
+    pipeline.stop()
+
+
+def test_twenty_answers_over_four_schemas_all_parse_and_validate(api):
+    _, client = api
+    for name, schema in SCHEMAS.items():
+        for seed in range(5):
+            answer = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": QUESTIONS[name]}], max_tokens=200,
+                temperature=0.0 if seed == 0 else 0.9, seed=seed,
+                response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+            text = answer.choices[0].message.content
+            assert answer.choices[0].finish_reason == "stop", text
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_answers_parse_as_json_objects(api):
+    _, client = api
+    answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe a cat."}],
+                                            max_tokens=200, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("response_format, why", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/definitions/nowhere"}}},
+     "cannot be turned into a grammar"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema must be"),
+    ({"type": "xml"}, "response_format.type='xml'"),
+])
+def test_a_response_format_the_server_cannot_honour_is_refused_by_name(api, response_format, why):
+    _, client = api
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       response_format=response_format)
+    assert refused.value.body["param"] == "response_format" and why in refused.value.body["message"]
+
+
+def test_a_grammar_that_does_not_parse_and_a_prompt_that_breaks_one_are_refused_and_the_stages_stay_up(api):
+    pipeline, client = api
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(prompt="Hi", max_tokens=4,
+                                                  sampling=pb.SamplingParams(grammar="root ::= (")), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.grammar" in refused.value.details()
+        # A client that names a grammar from position 0 of a prompt the grammar does not allow: the final
+        # stage refuses the token instead of letting llama.cpp accept it (which aborts the process).
+        entry = pb.BatchEntry(session_id="bad-grammar", phase=pb.PHASE_PREFILL, positions=[0, 1, 2],
+                              token_ids=[504, 3575, 282], sample_last=True,
+                              sampling=pb.SamplingParams(grammar='root ::= "{" [a-z]* "}"', grammar_start=0))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.IterationBatch(pb.IterationBatchRequest(request_id="g", entries=[entry]), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not follow sampling.grammar" in refused.value.details()
+    answer = client.completions.create(model="m", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert answer.choices[0].text
