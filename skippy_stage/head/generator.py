@@ -23,8 +23,17 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from skippy_stage.errors import ConfigError, InvalidRequestError
 from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, SpeculativeRequest
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.scheduler import FINISH_LENGTH, FINISH_STOP, End, Failed, Scheduler, SchedulerLimits, Task
-from skippy_stage.model.runtime import StageRuntime
+from skippy_stage.head.scheduler import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    End,
+    Failed,
+    Sampled,
+    Scheduler,
+    SchedulerLimits,
+    Task,
+)
+from skippy_stage.model.runtime import StageRuntime, TokenLogprob
 from skippy_stage.model.sampling import SamplingParams, parse_grammar
 from skippy_stage.stage.stage import Stage
 
@@ -44,6 +53,7 @@ class GenerateSpec:
     sampling: SamplingParams
     stop: tuple[str, ...]
     speculative: SpeculativeRequest | None = None
+    top_logprobs: int | None = None  # each token's log-probability and this many alternatives
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -54,6 +64,7 @@ _POLL_S = 0.1
 class Piece:
     text: str
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
 
 
 @dataclass(frozen=True)
@@ -209,7 +220,8 @@ class Generator:
             # refused here, before any stage computes; it constrains the generated tokens only
             llama_cpp.llama_sampler_free(parse_grammar(self.runtime.vocab, sampling.grammar))
             sampling = dataclasses.replace(sampling, grammar_start=len(prompt))
-        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=sampling, max_tokens=spec.max_tokens)
+        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=sampling, max_tokens=spec.max_tokens,
+                    top_logprobs=spec.top_logprobs)
         speculation = self.stage.config.speculative
         if spec.speculative is not None:
             speculation = spec.speculative.over(speculation)
@@ -225,6 +237,7 @@ class Generator:
         scanner = StopScanner(spec.stop)
         completion = 0
         pending_ids: list[int] = []
+        pending_lps: list[TokenLogprob] = []
         reason = FINISH_LENGTH
         try:
             while True:
@@ -242,23 +255,26 @@ class Generator:
                     reason = event.reason
                     break
                 completion += 1
+                if isinstance(event, Sampled):
+                    pending_lps.append(event.logprob)
+                    event = event.token
                 pending_ids.append(event)
                 text = scanner.feed(decoder.decode(self.runtime.tokenizer.token_bytes(event)))
                 if scanner.stopped:
                     reason = FINISH_STOP
                     if text:
-                        yield Piece(text, pending_ids)
-                    pending_ids = []
+                        yield Piece(text, pending_ids, pending_lps)
+                    pending_ids, pending_lps = [], []
                     break
                 if text:
-                    yield Piece(text, pending_ids)
-                    pending_ids = []
+                    yield Piece(text, pending_ids, pending_lps)
+                    pending_ids, pending_lps = [], []
             if not scanner.stopped:
                 tail = scanner.feed(decoder.decode(b"", final=True))
                 if not scanner.stopped:
                     tail += scanner.flush()  # no stop string can complete any more
                 if tail or pending_ids:
-                    yield Piece(tail, pending_ids)
+                    yield Piece(tail, pending_ids, pending_lps)
             yield Finish(reason, len(prompt), completion, task.session_id, task.cached_tokens)
         finally:
             task.cancel()  # the scheduler frees the session on every stage

@@ -38,6 +38,7 @@ from skippy_stage.errors import (
 )
 from skippy_stage.head.drafting import DraftBudget, Drafter
 from skippy_stage.head.prefixes import PrefixCache
+from skippy_stage.model.runtime import TokenLogprob
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Outputs, Step, StepEntry
 
@@ -57,6 +58,14 @@ class End:
 @dataclass(frozen=True)
 class Failed:
     error: SkippyError
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A sampled token with its log-probabilities (events are bare ints when none were asked)."""
+
+    token: int
+    logprob: TokenLogprob
 
 
 @dataclass
@@ -91,6 +100,8 @@ class Task:
     drafter: Drafter | None = None
     draft_budget: DraftBudget | None = None
     drafted: int = 0
+    # Log-probabilities of each sampled token and this many alternatives (None: none).
+    top_logprobs: int | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -338,14 +349,16 @@ class Scheduler:
                 entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE,
                                          positions=range(position, position + n), token_ids=[task.last_token, *drafts],
                                          sample_last=True, sampling=task.sampling,
-                                         rewind=task.drafter is not None, verify=bool(drafts)))
+                                         rewind=task.drafter is not None, verify=bool(drafts),
+                                         top_logprobs=task.top_logprobs))
                 plan.append((task, 0))
                 budget -= n
                 outputs -= n
         for task in batch:
             feed = task.to_feed
             remaining = len(feed) - task.prefilled
-            every_row = task.drafter is not None
+            # a reference computing logits for every row (speculation, logprobs) has these shapes
+            every_row = task.drafter is not None or task.top_logprobs is not None
             if task.recovering is not None or remaining <= 0 or budget <= 0 or outputs <= 0:
                 continue
             n = min(remaining, self.limits.n_ubatch, budget, outputs if every_row else budget)
@@ -361,6 +374,7 @@ class Scheduler:
             entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
                                      positions=range(start, start + n), token_ids=feed[start : start + n],
                                      sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
+                                     top_logprobs=task.top_logprobs if last else None,
                                      # a speculating reference (logits_all) computes every prompt row
                                      all_rows=every_row))
             plan.append((task, n))
@@ -414,7 +428,7 @@ class Scheduler:
         if not ready:
             time.sleep(0.05)
 
-    def _emit(self, task: Task, token: int) -> None:
+    def _emit(self, task: Task, token: int | Sampled) -> None:
         """Hand a sampled token to its waiting handler — once the next step's frame has left.
 
         The handler's work (text, the client's stream) would otherwise wake up exactly when this
@@ -515,11 +529,12 @@ class Scheduler:
                 if task.draft_budget is not None:
                     task.draft_budget.record(task.drafted, accepted)
                 task.drafted = 0
-            for token in tokens:
-                if not self._take(task, token, fed_now=n_prefill == 0):
+            logprobs = out.logprobs if out.logprobs is not None else (None,) * len(tokens)
+            for token, logprob in zip(tokens, logprobs):
+                if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):
                     break
 
-    def _take(self, task: Task, token: int, *, fed_now: bool) -> bool:
+    def _take(self, task: Task, token: int, *, fed_now: bool, logprob: TokenLogprob | None = None) -> bool:
         """One sampled token of ``task``: emit it, or end the task; False once it ended."""
         if self._is_eog(token):
             self.flush_events()
@@ -532,7 +547,7 @@ class Scheduler:
             task.history = list(task.prompt)
         task.generated += 1
         task.last_token = token
-        self._emit(task, token)
+        self._emit(task, token if logprob is None else Sampled(token, logprob))
         position = len(task.prompt) + task.generated - 1
         if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
             self.flush_events()

@@ -79,6 +79,32 @@ class BatchEntry:
     rewind: bool = False
     verify: bool = False
     all_rows: bool = False
+    # Final stage: with each sample, its log-probability and this many most likely alternatives,
+    # from the full-vocabulary logits before any sampler (None: none).
+    top_logprobs: int | None = None
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (log-softmax of the row's raw logits, as
+    llama-cpp-python's ``logits_to_logprobs``), and the most likely tokens with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """llama-cpp-python's ``Llama.logits_to_logprobs`` for one row (float32, the same steps)."""
+    top = np.amax(logits)
+    if not np.isfinite(top):
+        top = 0.0
+    shifted = np.subtract(logits, top, dtype=np.single)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.sum(np.exp(shifted)))
 
 
 @dataclass(frozen=True)
@@ -88,6 +114,7 @@ class EntryResult:
     logits: np.ndarray | None = None  # final stage: the last token's logits, when asked
     token: int | None = None  # final stage: the sampled next token, when asked
     tokens: tuple[int, ...] | None = None  # final stage, verify: every row's sample up to the first rejection
+    logprobs: tuple[TokenLogprob, ...] | None = None  # final stage, top_logprobs: one per sample
 
 
 @dataclass(frozen=True)
@@ -370,6 +397,9 @@ class StageRuntime:
             if e.rewind and not self._cuttable:
                 raise InvalidRequestError(f"{where}.rewind: stage {cfg.stage_id} holds a recurrent model, whose state "
                                           f"cannot be cut back (no speculative decoding)")
+            if e.top_logprobs is not None and (not e.sample or not 0 <= e.top_logprobs <= MAX_TOP_LOGPROBS):
+                raise InvalidRequestError(f"{where}.top_logprobs={e.top_logprobs!r} must be in [0, {MAX_TOP_LOGPROBS}] "
+                                          f"and needs sample_last")
             if e.verify and (not e.sample or tokens is None):
                 raise InvalidRequestError(f"{where}.verify needs sample and the token_ids it verifies")
             checked.append(_Checked(e, pos.astype(np.int32), tokens))
@@ -498,12 +528,19 @@ class StageRuntime:
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
             logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         token = None
+        logprobs = None
         if e.sample:
-            token = self._sampler_for(e.session_id, e.sampling or SamplingParams(), history).chain.sample(self._ctx, row)
+            dist = self._log_softmax_row(row) if e.top_logprobs is not None else None
+            token = self._sample(e.session_id, e.sampling or SamplingParams(), history, row)
             state = self._samplers[e.session_id]
             history.append(token)  # the chain accepted it while sampling
             state.accepted = len(history)
-        return EntryResult(e.session_id, logits=logits, token=token)
+            if dist is not None:
+                logprobs = (_token_logprob(dist, token, e.top_logprobs),)
+        return EntryResult(e.session_id, logits=logits, token=token, logprobs=logprobs)
+
+    def _log_softmax_row(self, row: int) -> np.ndarray:
+        return log_softmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, row), shape=(self.n_vocab,)))
 
     def _verify_result(self, c: _Checked, first_row: int) -> EntryResult:
         """Sample each row in order with the session's chain; stop after the first sample that differs
@@ -517,16 +554,32 @@ class StageRuntime:
         history.append(int(c.tokens[0]))
         state = self._sampler_for(e.session_id, e.sampling or SamplingParams(), history)
         samples: list[int] = []
+        logprobs: list[TokenLogprob] = []
         for i in range(c.n):
-            token = state.chain.sample(self._ctx, first_row + i)
+            dist = self._log_softmax_row(first_row + i) if e.top_logprobs is not None else None
+            token = self._sample(e.session_id, e.sampling or SamplingParams(), history, first_row + i, state)
             samples.append(token)
+            if dist is not None:
+                logprobs.append(_token_logprob(dist, token, e.top_logprobs))
             if i + 1 < c.n and token != int(c.tokens[i + 1]):
                 break
         # The real history: what was fed up to the last draft kept, then the samples' last, which the
         # next step feeds (and so replaces at its position, as for a plain sample).
         history.extend(samples)
         state.accepted = len(history)
-        return EntryResult(e.session_id, token=samples[-1], tokens=tuple(samples))
+        return EntryResult(e.session_id, token=samples[-1], tokens=tuple(samples),
+                           logprobs=tuple(logprobs) if e.top_logprobs is not None else None)
+
+    def _sample(self, session_id: str, params: SamplingParams, history: list[int], row: int,
+                state: _SessionSampler | None = None) -> int:
+        """One sample of ``row``; a grammar's dead end (no token allowed) ends this session only: it
+        samples the end-of-generation token, which the chain does not accept."""
+        state = state or self._sampler_for(session_id, params, history)
+        token = state.chain.sample(self._ctx, row)
+        if token is None:
+            self.log.warning("grammar allows no token: the session ends", session_id=session_id)
+            return int(llama_cpp.llama_vocab_eos(self._vocab))
+        return token
 
     def _sampler_for(self, session_id: str, params: SamplingParams, history: list[int]) -> _SessionSampler:
         state = self._samplers.get(session_id)
@@ -746,3 +799,12 @@ class StageRuntime:
             if getattr(self, "_model", None):
                 llama_cpp.llama_model_free(self._model)
                 self._model = None
+
+
+def _token_logprob(dist: np.ndarray, token: int, n: int) -> TokenLogprob:
+    top: tuple[tuple[int, float], ...] = ()
+    if n:
+        best = np.argpartition(dist, -n)[-n:]
+        best = best[np.argsort(-dist[best], kind="stable")]
+        top = tuple((int(t), float(dist[t])) for t in best)
+    return TokenLogprob(int(token), float(dist[token]), top)

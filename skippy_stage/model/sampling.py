@@ -18,7 +18,11 @@ from skippy_stage.errors import InvalidRequestError
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
 RANDOM_SEED = 0xFFFFFFFF
-MAX_GRAMMAR_CHARS = 256 * 1024
+# llama.cpp's GBNF parser and its grammar stacks recurse once per nested group and per rule in a
+# chain, with no limit (~60k nested groups overflow the stack and kill the process): bounded here.
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_GRAMMAR_NESTING = 128
+MAX_GRAMMAR_RULES = 1024
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -51,8 +55,6 @@ class SamplingParams:
              math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0.0, "> 0"),
             ("repeat_last_n", self.repeat_last_n, 0 <= self.repeat_last_n <= 4096, "in [0, 4096]"),
             ("seed", self.seed, 0 <= self.seed <= 0xFFFFFFFF, "in [0, 2^32-1]"),
-            ("grammar", f"<{len(self.grammar)} characters>", len(self.grammar) <= MAX_GRAMMAR_CHARS,
-             f"at most {MAX_GRAMMAR_CHARS} characters"),
             ("grammar_start", self.grammar_start, 0 <= self.grammar_start < 2**31, "in [0, 2^31)"),
         )
         for name, value, ok, why in checks:
@@ -61,8 +63,45 @@ class SamplingParams:
         return self
 
 
+def check_grammar_text(grammar: str) -> None:
+    """Refuse a grammar llama.cpp could not parse without risk: too long, nested too deep (its
+    recursive parser has no limit), too many rules, or not UTF-8. Quoted strings, character
+    classes and comments are skipped, as the parser does."""
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequestError(f"sampling.grammar has {len(grammar)} characters, at most {MAX_GRAMMAR_CHARS}")
+    try:
+        grammar.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"sampling.grammar is not valid UTF-8 text: {exc.reason} at {exc.start}") from None
+    depth = deepest = rules = 0
+    i, n = 0, len(grammar)
+    while i < n:
+        ch = grammar[i]
+        if ch in "\"[":
+            close = '"' if ch == '"' else "]"
+            i += 1
+            while i < n and grammar[i] != close:
+                i += 2 if grammar[i] == "\\" else 1
+        elif ch == "#":
+            while i < n and grammar[i] not in "\r\n":
+                i += 1
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+        elif grammar.startswith("::=", i):
+            rules += 1
+        i += 1
+    if deepest > MAX_GRAMMAR_NESTING:
+        raise InvalidRequestError(f"sampling.grammar nests groups {deepest} deep, at most {MAX_GRAMMAR_NESTING}")
+    if rules > MAX_GRAMMAR_RULES:
+        raise InvalidRequestError(f"sampling.grammar has {rules} rules, at most {MAX_GRAMMAR_RULES}")
+
+
 def parse_grammar(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.llama_sampler_p:
     """llama.cpp's grammar sampler for ``grammar`` (GBNF, rule ``root``), or InvalidRequestError."""
+    check_grammar_text(grammar)
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
     if not sampler:
         raise InvalidRequestError("sampling.grammar does not parse: llama.cpp's GBNF parser refused it "
@@ -98,6 +137,7 @@ class SamplerChain:
             self._grammar = parse_grammar(vocab, params.grammar)
             add(self._grammar)
             self._cur = np.empty(n_vocab, dtype=_TOKEN_DATA)
+            self._ids = np.arange(n_vocab, dtype=np.int32)
             self._one = np.empty(1, dtype=_TOKEN_DATA)
         if params.greedy:
             add(llama_cpp.llama_sampler_init_greedy())
@@ -133,13 +173,14 @@ class SamplerChain:
             raise InvalidRequestError(f"token {token} of the session's generated text does not follow sampling.grammar")
         llama_cpp.llama_sampler_accept(self._grammar, token)
 
-    def sample(self, ctx: llama_cpp.llama_context_p, output_index: int) -> int:
-        """Sample from the logits of batch row ``output_index``; the token is accepted too."""
+    def sample(self, ctx: llama_cpp.llama_context_p, output_index: int) -> int | None:
+        """Sample from the logits of batch row ``output_index``; the token is accepted too. None:
+        the grammar allows no token here (a dead end: the caller ends the session)."""
         if self._grammar is None:
             return int(llama_cpp.llama_sampler_sample(self._chain, ctx, output_index))
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, output_index), shape=(self.n_vocab,))
         cur = self._cur
-        cur["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        cur["id"] = self._ids
         cur["logit"] = logits
         cur["p"] = 0.0
         arr = llama_cpp.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
@@ -148,10 +189,10 @@ class SamplerChain:
         selected = int(arr.selected)
         view = np.ctypeslib.as_array(arr.data, shape=(int(arr.size),)).view(_TOKEN_DATA) if arr.size else None
         if view is None or not 0 <= selected < int(arr.size) or not np.isfinite(view[selected]["logit"]):
-            raise InvalidRequestError("sampling.grammar allows no token here (a dead end of the grammar)")
+            return None
         token = int(view[selected]["id"])
         if not self._allowed(token):
-            raise InvalidRequestError(f"sampling.grammar does not allow token {token} sampled here")
+            return None
         llama_cpp.llama_sampler_accept(self._chain, token)
         return token
 

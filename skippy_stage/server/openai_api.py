@@ -27,6 +27,7 @@ import asyncio
 import hmac
 import json
 import math
+import re
 import socket
 import ssl
 import threading
@@ -48,10 +49,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skippy_stage.errors import ConfigError, DownstreamError, InvalidFieldError, SkippyError
+from skippy_stage.errors import ConfigError, DownstreamError, InvalidFieldError, InvalidRequestError, SkippyError
 from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, Piece
-from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
+from skippy_stage.model.runtime import MAX_TOP_LOGPROBS
+from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, check_grammar_text
 from skippy_stage.security import Credentials
 from skippy_stage.stage.status import status_for
 
@@ -68,8 +70,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
@@ -93,6 +93,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     speculative: SpeculativeRequest | None = None
+    top_logprobs: int | None = None  # logprobs asked: each token's, and this many alternatives
 
     def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
         """The Generate spec, with max_tokens checked against the pipeline's session size."""
@@ -101,7 +102,8 @@ class OpenAIRequest:
             raise InvalidFieldError("max_tokens", f"max_tokens={max_tokens} exceeds this pipeline's limit "
                                                   f"{max_tokens_limit} ({limit_hint})")
         return GenerateSpec(prompt=self.prompt, messages=self.messages, max_tokens=max_tokens,
-                            sampling=self.sampling, stop=self.stop, speculative=self.speculative)
+                            sampling=self.sampling, stop=self.stop, speculative=self.speculative,
+                            top_logprobs=self.top_logprobs)
 
 
 def _json_kind(value: object) -> str:
@@ -238,6 +240,31 @@ def _speculative(value: object) -> SpeculativeRequest | None:
     return SpeculativeRequest(drafter=drafter, adaptive=adaptive, **numbers)
 
 
+MAX_SCHEMA_REPEAT = 256  # llama-cpp-python's converter writes one grammar item per unit of these
+
+
+def _check_schema_bounds(node: object, where: str) -> None:
+    """Refuse, before converting, the bounds the converter would expand into a grammar as large as
+    they are (minLength/maxLength/minItems/maxItems, a pattern's {n,m}), naming the field."""
+    if isinstance(node, dict):
+        for key in ("minLength", "maxLength", "minItems", "maxItems"):
+            value = node.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SCHEMA_REPEAT:
+                raise InvalidFieldError("response_format", f"{where}.{key}={value} is more than this server's "
+                                                           f"{MAX_SCHEMA_REPEAT}")
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            for match in re.finditer(r"\{(\d+)(?:,(\d*))?\}", pattern):
+                if any(int(n) > MAX_SCHEMA_REPEAT for n in match.groups() if n):
+                    raise InvalidFieldError("response_format", f"{where}.pattern repeats {match.group(0)}: at most "
+                                                               f"{MAX_SCHEMA_REPEAT}")
+        for key, value in node.items():
+            _check_schema_bounds(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_schema_bounds(value, f"{where}[{i}]")
+
+
 def _response_format(value: object) -> str:
     """The GBNF grammar for ``response_format`` ("" for text): ``json_object`` is llama.cpp's JSON
     grammar, ``json_schema`` goes through llama-cpp-python's JSON-schema converter; a schema it
@@ -259,11 +286,18 @@ def _response_format(value: object) -> str:
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise InvalidFieldError("response_format", "response_format.json_schema.schema must be a JSON schema object")
+    _check_schema_bounds(spec["schema"], "response_format.json_schema.schema")
     try:
-        return llama_grammar.json_schema_to_gbnf(json.dumps(spec["schema"]))
+        grammar = llama_grammar.json_schema_to_gbnf(json.dumps(spec["schema"]))
     except Exception as exc:  # noqa: BLE001 - the converter's own failures, whatever their type: a 400 naming it
         raise InvalidFieldError("response_format", f"response_format.json_schema.schema cannot be turned into a "
                                                    f"grammar: {type(exc).__name__}: {exc}") from None
+    try:
+        check_grammar_text(grammar)
+    except InvalidRequestError as exc:
+        raise InvalidFieldError("response_format", f"response_format.json_schema.schema gives a grammar this "
+                                                   f"server refuses: {exc}") from None
+    return grammar
 
 
 def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
@@ -299,11 +333,21 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     if options is not None and not isinstance(options, dict):
         raise InvalidFieldError("stream_options", f"stream_options must be an object, got {_json_kind(options)}")
     include_usage = _bool_field(options or {}, "include_usage")
+    if chat:
+        wants = _bool_field(body, "logprobs")
+        top = _int_field(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        if top is not None and not wants:
+            raise InvalidFieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        top_logprobs = (top or 0) if wants else None
+    else:
+        value = body.get("logprobs")
+        top_logprobs = None if value is None or value is False else _int_field(body, "logprobs", low=0,
+                                                                                 high=MAX_TOP_LOGPROBS)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=RANDOM_SEED if seed is None else seed,
                               grammar=_response_format(body.get("response_format")))
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
-                         speculative=_speculative(body.get("speculative")))
+                         speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs)
 
 
 # -- errors --------------------------------------------------------------------------
@@ -511,11 +555,39 @@ class _Endpoint:
         log.info("openai request refused", endpoint=self.name, error=str(exc))
         return error_response(exc)
 
-    def _choice(self, text: str | None, finish_reason: str | None, *, delta: dict | None = None) -> dict[str, Any]:
+    def _choice(self, text: str | None, finish_reason: str | None, *, delta: dict | None = None,
+                logprobs: dict | None = None) -> dict[str, Any]:
         if self.chat:
             body = {"delta": delta} if delta is not None else {"message": {"role": "assistant", "content": text}}
-            return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, pieces: list[Piece], offset: int) -> dict | None:
+        """OpenAI's logprobs of ``pieces``' tokens: chat's ``content`` list (token, logprob, bytes,
+        top_logprobs), or completions' parallel lists (llama-cpp-python's shape; ``offset``: the
+        characters before the first token)."""
+        lps = [lp for piece in pieces for lp in piece.logprobs]
+        if not lps:
+            return None
+        token_bytes = self.servicer.stage.runtime.tokenizer.token_bytes
+
+        def text(token: int) -> str:
+            return token_bytes(token).decode("utf-8", errors="ignore")
+
+        if self.chat:
+            return {"content": [{"token": text(lp.token), "logprob": lp.logprob, "bytes": list(token_bytes(lp.token)),
+                                 "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(token_bytes(t))}
+                                                  for t, v in lp.top]} for lp in lps]}
+        tokens, offsets, top = [], [], []
+        for lp in lps:
+            offsets.append(offset)
+            tokens.append(text(lp.token))
+            offset += len(tokens[-1])
+            alternatives = {text(t): v for t, v in lp.top}
+            alternatives[tokens[-1]] = lp.logprob
+            top.append(alternatives)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
+                "text_offset": offsets}
 
     async def handle(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -548,9 +620,11 @@ class _Endpoint:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             texts: list[str] = []
+            pieces: list[Piece] = []
             event: Piece | Finish | None = first
             while isinstance(event, Piece):
                 texts.append(event.text)
+                pieces.append(event)
                 event = await generation.next()
         except SkippyError as exc:
             return self._refuse(exc)
@@ -560,7 +634,9 @@ class _Endpoint:
         if event is None:  # the client went away
             return Response(status_code=499)
         self._done(event, started)
-        return JSONResponse({**head, "object": self.object, "choices": [self._choice("".join(texts), event.reason)],
+        logprobs = self._logprobs(pieces, len(parsed.prompt or "")) if parsed.top_logprobs is not None else None
+        return JSONResponse({**head, "object": self.object,
+                             "choices": [self._choice("".join(texts), event.reason, logprobs=logprobs)],
                              "usage": _usage(event)})
 
     async def _stream(self, head: dict[str, Any], parsed: OpenAIRequest, generation: _Generation,
@@ -572,10 +648,14 @@ class _Endpoint:
             if self.chat and first is not None:
                 yield _sse({**chunk, "choices": [self._choice(None, None, delta={"role": "assistant", "content": ""})]})
             event = first
+            offset = len(parsed.prompt or "")
             while isinstance(event, Piece):
-                if event.text:
+                if event.text or event.logprobs:
                     delta = {"content": event.text} if self.chat else None
-                    yield _sse({**chunk, "choices": [self._choice(event.text, None, delta=delta)]})
+                    logprobs = self._logprobs([event], offset) if parsed.top_logprobs is not None else None
+                    if logprobs is not None and not self.chat:
+                        offset += sum(len(t) for t in logprobs["tokens"])
+                    yield _sse({**chunk, "choices": [self._choice(event.text, None, delta=delta, logprobs=logprobs)]})
                 event = await generation.next()
             if isinstance(event, Finish):
                 self._done(event, started)
@@ -608,7 +688,7 @@ async def _read_json(request: Request) -> object:
             raise InvalidFieldError(None, f"the request body exceeds {MAX_BODY_BYTES} bytes")
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidFieldError(None, f"the request body is not valid JSON: {exc}") from None
 
 
@@ -650,6 +730,8 @@ def build_app(servicer: Any, live: _Live | None = None, *, token: str | None = N
             return JSONResponse({"status": "ok", "stage_id": stage.config.stage_id})
         reason = (f"stage {stage.config.stage_id} is {stage.state.value}" if stage.state.value != "serving"
                   else f"the chain below {stage.config.stage_id} is not ready: {stage.downstream_health.detail}")
+        if stage.credentials.token:  # the probe carries no token: no endpoints or errors for it
+            reason = f"stage {stage.config.stage_id} or the chain below it is not ready"
         return JSONResponse({"status": "unavailable", "stage_id": stage.config.stage_id, "reason": reason},
                             status_code=503)
 

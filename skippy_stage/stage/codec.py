@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from skippy_stage.model.lanes import LaneRow, LaneStats, ResidentRow
-from skippy_stage.model.runtime import KvPage, KvPageDesc
+from skippy_stage.model.runtime import KvPage, KvPageDesc, TokenLogprob
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.stage import wire
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
@@ -113,6 +113,7 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         rewind=e.rewind,
         verify=e.verify,
         all_rows=e.all_rows,
+        top_logprobs=e.top_logprobs if e.HasField("top_logprobs") else None,
     )
 
 
@@ -126,6 +127,8 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
     if e.prefix_id is not None:
         msg.prefix_id = e.prefix_id
     msg.rewind, msg.verify, msg.all_rows = e.rewind, e.verify, e.all_rows
+    if e.top_logprobs is not None:
+        msg.top_logprobs = e.top_logprobs
     return msg
 
 
@@ -149,7 +152,9 @@ def step_to_pb(step: Step) -> pb.IterationBatchRequest:
 def outputs_from_pb(msg: pb.IterationBatchResponse) -> Outputs:
     return Outputs([Output(o.session_id, o.token if o.has_token else None,
                            np.array(o.logits, dtype=np.float32) if len(o.logits) else None,
-                           tuple(o.tokens) if len(o.tokens) else None) for o in msg.outputs],
+                           tuple(o.tokens) if len(o.tokens) else None,
+                           tuple(TokenLogprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs)))
+                                 for lp in o.logprobs) if len(o.logprobs) else None) for o in msg.outputs],
                    msg.final_stage_id, wire=msg)
 
 
@@ -166,6 +171,9 @@ def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
             out.logits.extend(o.logits.tolist())
         if o.tokens is not None:
             out.tokens.extend(o.tokens)
+        for lp in o.logprobs or ():
+            out.logprobs.add(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
+                             top_logprobs=[v for _, v in lp.top])
         msgs.append(out)
     return pb.IterationBatchResponse(outputs=msgs, final_stage_id=outputs.final_stage_id)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from skippy_stage.errors import InvalidRequestError, RuntimeFailure
-from skippy_stage.model.runtime import BatchEntry, EntryResult
+from skippy_stage.model.runtime import BatchEntry, EntryResult, TokenLogprob
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage import wire
 
@@ -50,6 +50,7 @@ class StepEntry:
     rewind: bool = False
     verify: bool = False
     all_rows: bool = False
+    top_logprobs: int | None = None  # final stage: logprobs of each sample and this many alternatives
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Output:
     token: int | None = None
     logits: np.ndarray | None = None
     tokens: tuple[int, ...] | None = None  # a verify entry's samples (``token`` is the last)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per sample, when asked
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             rewind=e.rewind,
             verify=e.verify and shape.include_output,
             all_rows=(e.all_rows or e.verify) and shape.include_output,
+            top_logprobs=e.top_logprobs if shape.include_output and e.sample_last else None,
         ))
     return entries
 
@@ -225,4 +228,4 @@ def forward_step(step: Step, results: Sequence[EntryResult], shape: StageShape) 
 
 
 def outputs_from_results(results: Sequence[EntryResult], stage_id: str) -> Outputs:
-    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens) for r in results], stage_id)
+    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens, r.logprobs) for r in results], stage_id)

@@ -68,7 +68,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_start: _Optional[int] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
-    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows")
+    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class BatchEntry(_message.Message):
     REWIND_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     ALL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     phase: Phase
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -91,7 +92,20 @@ class BatchEntry(_message.Message):
     rewind: bool
     verify: bool
     all_rows: bool
-    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_tokens: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FrameDescriptor(_message.Message):
     __slots__ = ("version", "dtype", "layout", "producer_stage_index", "layer_start", "layer_end", "token_count", "sequence_count", "payload_bytes", "flags", "width")
@@ -216,18 +230,20 @@ class FrameWelcome(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., stage_id: _Optional[str] = ...) -> None: ...
 
 class EntryOutput(_message.Message):
-    __slots__ = ("session_id", "has_token", "token", "logits", "tokens")
+    __slots__ = ("session_id", "has_token", "token", "logits", "tokens", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     has_token: bool
     token: int
     logits: _containers.RepeatedScalarFieldContainer[float]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class IterationBatchResponse(_message.Message):
     __slots__ = ("outputs", "final_stage_id")

@@ -362,3 +362,40 @@ def test_with_an_auth_token_every_request_must_carry_it_as_the_api_key(smollm2, 
         assert http_get(f"{root}/metrics", "s3cret-token")[0] == 200
     finally:
         pipeline.stop()
+
+
+def test_completion_logprobs_match_llama_cpp_pythons_own(smollm2, client):
+    """``logprobs: N`` on completions: each token's log-probability and the N most likely tokens,
+    from the full-vocabulary logits, as llama-cpp-python's ``create_completion(logprobs=N)`` gives
+    them (its reference computes logits for every row; so does the pipeline when logprobs are asked)."""
+    prompt = "The capital of France is"
+    llm = reference_llama(smollm2, n_ctx=2048, verbose=False, logits_all=True)
+    try:
+        want = llm.create_completion(prompt, max_tokens=8, temperature=0, logprobs=3)["choices"][0]
+    finally:
+        llm.close()
+    got = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0, logprobs=3).choices[0]
+    assert got.text == want["text"]
+    assert got.logprobs.tokens == want["logprobs"]["tokens"]
+    assert got.logprobs.text_offset == want["logprobs"]["text_offset"]
+    for mine, theirs in zip(got.logprobs.token_logprobs, want["logprobs"]["token_logprobs"]):
+        assert abs(mine - theirs) < 1e-3
+    for mine, theirs in zip(got.logprobs.top_logprobs, want["logprobs"]["top_logprobs"]):
+        assert set(mine) == set(theirs)
+        assert all(abs(mine[t] - theirs[t]) < 1e-3 for t in mine)
+
+
+def test_chat_logprobs_give_each_token_its_bytes_and_top_alternatives(client):
+    answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
+                                            max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = answer.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == answer.choices[0].message.content
+    for c in content:
+        assert bytes(c.bytes).decode("utf-8", errors="ignore") == c.token
+        assert len(c.top_logprobs) == 2 and c.logprob <= 0
+        assert abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6, "greedy: the sampled token is the most likely"
+    streamed = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
+                                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    tokens = [c.token for chunk in streamed for choice in chunk.choices if choice.logprobs
+              for c in choice.logprobs.content]
+    assert tokens == [c.token for c in content]

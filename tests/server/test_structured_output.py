@@ -100,3 +100,49 @@ def test_a_grammar_that_does_not_parse_and_a_prompt_that_breaks_one_are_refused_
         assert "does not follow sampling.grammar" in refused.value.details()
     answer = client.completions.create(model="m", prompt="The capital of France is", max_tokens=4, temperature=0)
     assert answer.choices[0].text
+
+
+@pytest.mark.parametrize("grammar, why", [
+    ("root ::= " + "(" * 5000 + '"a"' + ")" * 5000, "nests groups 5000 deep"),
+    ("\n".join(f"r{i} ::= r{i + 1}" for i in range(2000)) + '\nroot ::= r0\nr2000 ::= "a"', "rules"),
+    ("root ::= " + '"a" ' * 40000, "characters"),
+])
+def test_a_grammar_that_could_overflow_llama_cpps_parser_is_refused_before_it_gets_there(api, grammar, why):
+    pipeline, _ = api
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.StageServiceStub(channel).Generate(
+                pb.GenerateRequest(prompt="Hi", max_tokens=4, sampling=pb.SamplingParams(grammar=grammar)), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in refused.value.details()
+
+
+def test_a_schema_whose_bounds_would_make_a_huge_grammar_is_refused_naming_the_field(api):
+    _, client = api
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30000}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": schema}})
+    assert "properties.s.maxLength=30000" in refused.value.body["message"]
+
+
+def test_a_grammar_with_no_way_forward_ends_only_its_own_session(api):
+    """No token's text can start U+0001: the first sample is a dead end. That session ends (its
+    stage samples the end of generation); a session sharing its batch goes on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pipeline, client = api
+
+    def dead_end() -> str:
+        with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+            messages = list(pb_grpc.StageServiceStub(channel).Generate(
+                pb.GenerateRequest(prompt="Hi", max_tokens=8, sampling=pb.SamplingParams(grammar='root ::= "\\x01"')),
+                timeout=60))
+        return messages[-1].finish_reason
+
+    with ThreadPoolExecutor(2) as pool:
+        ended = pool.submit(dead_end)
+        other = pool.submit(lambda: client.completions.create(model="m", prompt="The capital of France is",
+                                                              max_tokens=16, temperature=0))
+        assert ended.result() == pb.FINISH_REASON_STOP
+        assert other.result().usage.completion_tokens == 16 or other.result().choices[0].finish_reason == "stop"
