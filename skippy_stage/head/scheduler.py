@@ -529,6 +529,10 @@ class Scheduler:
                 if task.draft_budget is not None:
                     task.draft_budget.record(task.drafted, accepted)
                 task.drafted = 0
+            if task.top_logprobs is not None and (out.logprobs is None or len(out.logprobs) != len(tokens)):
+                self._fail(task, RuntimeFailure(f"stage {response.final_stage_id} returned "
+                                                f"{len(out.logprobs or ())} logprobs for {len(tokens)} tokens"))
+                continue
             logprobs = out.logprobs if out.logprobs is not None else (None,) * len(tokens)
             for token, logprob in zip(tokens, logprobs):
                 if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):

@@ -578,8 +578,19 @@ class StageRuntime:
         token = state.chain.sample(self._ctx, row)
         if token is None:
             self.log.warning("grammar allows no token: the session ends", session_id=session_id)
-            return int(llama_cpp.llama_vocab_eos(self._vocab))
+            return self._end_token()
         return token
+
+    def _end_token(self) -> int:
+        """A token that ends a generation: EOS, else EOT, else the first end-of-generation token."""
+        for token in (llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_eot(self._vocab)):
+            if 0 <= token < self.n_vocab:
+                return int(token)
+        for token in range(self.n_vocab):
+            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                return token
+        raise InvalidRequestError("sampling.grammar allows no token here and this model has no end-of-generation "
+                                  "token to end the session with")
 
     def _sampler_for(self, session_id: str, params: SamplingParams, history: list[int]) -> _SessionSampler:
         state = self._samplers.get(session_id)
@@ -804,7 +815,9 @@ class StageRuntime:
 def _token_logprob(dist: np.ndarray, token: int, n: int) -> TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     if n:
-        best = np.argpartition(dist, -n)[-n:]
-        best = best[np.argsort(-dist[best], kind="stable")]
+        # llama-cpp-python's order: by log-probability, then the higher token id first on a tie
+        threshold = dist[np.argpartition(dist, -n)[-n]]
+        ids = np.nonzero(dist >= threshold)[0]
+        best = ids[np.lexsort((-ids, -dist[ids]))][:n]
         top = tuple((int(t), float(dist[t])) for t in best)
     return TokenLogprob(int(token), float(dist[token]), top)

@@ -21,8 +21,11 @@ RANDOM_SEED = 0xFFFFFFFF
 # llama.cpp's GBNF parser and its grammar stacks recurse once per nested group and per rule in a
 # chain, with no limit (~60k nested groups overflow the stack and kill the process): bounded here.
 MAX_GRAMMAR_CHARS = 64 * 1024
-MAX_GRAMMAR_NESTING = 128
-MAX_GRAMMAR_RULES = 1024
+MAX_GRAMMAR_NESTING = 512
+# Rules and repetition operators together (each * + ? {m,n} becomes rules of its own), and the
+# largest {m,n}: llama.cpp expands a repetition into that many copies.
+MAX_GRAMMAR_RULES = 2048
+MAX_GRAMMAR_REPEAT = 256
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -90,7 +93,14 @@ def check_grammar_text(grammar: str) -> None:
             deepest = max(deepest, depth)
         elif ch == ")":
             depth -= 1
-        elif grammar.startswith("::=", i):
+        elif grammar.startswith("::=", i) or ch in "*+?":
+            rules += 1
+        elif ch == "{":
+            end = grammar.find("}", i)
+            counts = grammar[i + 1 : end if end > 0 else n].split(",")
+            if any(c.strip().isdigit() and int(c) > MAX_GRAMMAR_REPEAT for c in counts):
+                raise InvalidRequestError(f"sampling.grammar repeats {grammar[i:end + 1][:40]}: at most "
+                                          f"{MAX_GRAMMAR_REPEAT} times")
             rules += 1
         i += 1
     if deepest > MAX_GRAMMAR_NESTING:

@@ -24,6 +24,7 @@ generations in flight finish within a grace period and ends the rest with a 503.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import math
@@ -240,7 +241,8 @@ def _speculative(value: object) -> SpeculativeRequest | None:
     return SpeculativeRequest(drafter=drafter, adaptive=adaptive, **numbers)
 
 
-MAX_SCHEMA_REPEAT = 256  # llama-cpp-python's converter writes one grammar item per unit of these
+# llama-cpp-python's converter writes one grammar item (a nested group) per unit of these
+MAX_SCHEMA_REPEAT = 256
 
 
 def _check_schema_bounds(node: object, where: str) -> None:
@@ -336,7 +338,7 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     if chat:
         wants = _bool_field(body, "logprobs")
         top = _int_field(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
-        if top is not None and not wants:
+        if top and not wants:
             raise InvalidFieldError("top_logprobs", "top_logprobs needs logprobs: true")
         top_logprobs = (top or 0) if wants else None
     else:
@@ -537,6 +539,21 @@ def _sse(data: object) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
+class _TextOffsets:
+    """Where each generated token's text starts in the completion (after ``start`` prompt
+    characters): the length of the text decoded so far, as llama-cpp-python counts it; a token
+    holding part of a character adds nothing until the character is whole."""
+
+    def __init__(self, start: int) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        self._length = start
+
+    def next(self, token_bytes: bytes) -> int:
+        at = self._length
+        self._length += len(self._decoder.decode(token_bytes))
+        return at
+
+
 class _Endpoint:
     """/v1/completions or /v1/chat/completions: parse, generate, shape the answer."""
 
@@ -562,10 +579,10 @@ class _Endpoint:
             return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _logprobs(self, pieces: list[Piece], offset: int) -> dict | None:
+    def _logprobs(self, pieces: list[Piece], offsets: _TextOffsets) -> dict | None:
         """OpenAI's logprobs of ``pieces``' tokens: chat's ``content`` list (token, logprob, bytes,
-        top_logprobs), or completions' parallel lists (llama-cpp-python's shape; ``offset``: the
-        characters before the first token)."""
+        top_logprobs), or completions' parallel lists (llama-cpp-python's shape; ``offsets``: where
+        each token's text starts, carried across a stream's chunks). A non-finite value is null."""
         lps = [lp for piece in pieces for lp in piece.logprobs]
         if not lps:
             return None
@@ -574,20 +591,23 @@ class _Endpoint:
         def text(token: int) -> str:
             return token_bytes(token).decode("utf-8", errors="ignore")
 
+        def num(value: float) -> float | None:
+            return value if math.isfinite(value) else None
+
         if self.chat:
-            return {"content": [{"token": text(lp.token), "logprob": lp.logprob, "bytes": list(token_bytes(lp.token)),
-                                 "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(token_bytes(t))}
+            return {"content": [{"token": text(lp.token), "logprob": num(lp.logprob),
+                                 "bytes": list(token_bytes(lp.token)),
+                                 "top_logprobs": [{"token": text(t), "logprob": num(v), "bytes": list(token_bytes(t))}
                                                   for t, v in lp.top]} for lp in lps]}
-        tokens, offsets, top = [], [], []
+        tokens, starts, top = [], [], []
         for lp in lps:
-            offsets.append(offset)
+            starts.append(offsets.next(token_bytes(lp.token)))
             tokens.append(text(lp.token))
-            offset += len(tokens[-1])
-            alternatives = {text(t): v for t, v in lp.top}
-            alternatives[tokens[-1]] = lp.logprob
+            alternatives = {text(t): num(v) for t, v in lp.top}
+            alternatives[tokens[-1]] = num(lp.logprob)
             top.append(alternatives)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [num(lp.logprob) for lp in lps], "top_logprobs": top,
+                "text_offset": starts}
 
     async def handle(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -634,7 +654,8 @@ class _Endpoint:
         if event is None:  # the client went away
             return Response(status_code=499)
         self._done(event, started)
-        logprobs = self._logprobs(pieces, len(parsed.prompt or "")) if parsed.top_logprobs is not None else None
+        logprobs = (self._logprobs(pieces, _TextOffsets(len(parsed.prompt or "")))
+                    if parsed.top_logprobs is not None else None)
         return JSONResponse({**head, "object": self.object,
                              "choices": [self._choice("".join(texts), event.reason, logprobs=logprobs)],
                              "usage": _usage(event)})
@@ -648,13 +669,11 @@ class _Endpoint:
             if self.chat and first is not None:
                 yield _sse({**chunk, "choices": [self._choice(None, None, delta={"role": "assistant", "content": ""})]})
             event = first
-            offset = len(parsed.prompt or "")
+            offsets = _TextOffsets(len(parsed.prompt or ""))
             while isinstance(event, Piece):
                 if event.text or event.logprobs:
                     delta = {"content": event.text} if self.chat else None
-                    logprobs = self._logprobs([event], offset) if parsed.top_logprobs is not None else None
-                    if logprobs is not None and not self.chat:
-                        offset += sum(len(t) for t in logprobs["tokens"])
+                    logprobs = self._logprobs([event], offsets) if parsed.top_logprobs is not None else None
                     yield _sse({**chunk, "choices": [self._choice(event.text, None, delta=delta, logprobs=logprobs)]})
                 event = await generation.next()
             if isinstance(event, Finish):

@@ -730,8 +730,13 @@ class Stage:
                 time.sleep(0.002)
         if release:
             self._moved_away += 1  # before the lane goes: the drain must not see it idle and stop
-        page = runtime.export_session(session_id, self.config.max_message_bytes, tokens=wait_for_tokens or None,
-                                      batches=wait_for_batches or None, release=release)
+        try:
+            page = runtime.export_session(session_id, self.config.max_message_bytes, tokens=wait_for_tokens or None,
+                                          batches=wait_for_batches or None, release=release)
+        except SkippyError:
+            if release:
+                self._moved_away -= 1
+            raise
         self.metrics.sessions_moved.labels("exported").inc()
         return page
 

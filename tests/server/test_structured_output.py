@@ -104,7 +104,8 @@ def test_a_grammar_that_does_not_parse_and_a_prompt_that_breaks_one_are_refused_
 
 @pytest.mark.parametrize("grammar, why", [
     ("root ::= " + "(" * 5000 + '"a"' + ")" * 5000, "nests groups 5000 deep"),
-    ("\n".join(f"r{i} ::= r{i + 1}" for i in range(2000)) + '\nroot ::= r0\nr2000 ::= "a"', "rules"),
+    ("\n".join(f"r{i} ::= r{i + 1}" for i in range(3000)) + '\nroot ::= r0\nr3000 ::= "a"', "rules"),
+    ('root ::= (" "?){0,1999}', "repeats"),
     ("root ::= " + '"a" ' * 40000, "characters"),
 ])
 def test_a_grammar_that_could_overflow_llama_cpps_parser_is_refused_before_it_gets_there(api, grammar, why):
@@ -118,6 +119,10 @@ def test_a_grammar_that_could_overflow_llama_cpps_parser_is_refused_before_it_ge
 
 def test_a_schema_whose_bounds_would_make_a_huge_grammar_is_refused_naming_the_field(api):
     _, client = api
+    common = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 200}}}
+    assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "ok", "schema": common}}).choices
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30000}}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
