@@ -69,7 +69,6 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
@@ -95,6 +94,7 @@ class OpenAIRequest:
     include_usage: bool
     speculative: SpeculativeRequest | None = None
     top_logprobs: int | None = None  # logprobs asked: each token's, and this many alternatives
+    echo: bool = False  # completions: the prompt comes back before the completion
 
     def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
         """The Generate spec, with max_tokens checked against the pipeline's session size."""
@@ -302,6 +302,16 @@ def _response_format(value: object) -> str:
     return grammar
 
 
+def _echo(body: dict[str, Any], *, chat: bool, logprobs: bool) -> bool:
+    echo = _bool_field(body, "echo")
+    if echo and chat:
+        raise InvalidFieldError("echo", "echo is a completions option; chat completions do not take it")
+    if echo and logprobs:
+        raise InvalidFieldError("echo", "echo with logprobs (the prompt tokens' log-probabilities) is not supported "
+                                        "yet: the final stage returns logprobs of sampled tokens only")
+    return echo
+
+
 def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body, field by field."""
     if not isinstance(body, dict):
@@ -349,7 +359,8 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
                               grammar=_response_format(body.get("response_format")))
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
-                         speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs)
+                         speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs,
+                         echo=_echo(body, chat=chat, logprobs=top_logprobs is not None))
 
 
 # -- errors --------------------------------------------------------------------------
@@ -656,8 +667,9 @@ class _Endpoint:
         self._done(event, started)
         logprobs = (self._logprobs(pieces, _TextOffsets(len(parsed.prompt or "")))
                     if parsed.top_logprobs is not None else None)
+        text = (parsed.prompt or "") + "".join(texts) if parsed.echo else "".join(texts)
         return JSONResponse({**head, "object": self.object,
-                             "choices": [self._choice("".join(texts), event.reason, logprobs=logprobs)],
+                             "choices": [self._choice(text, event.reason, logprobs=logprobs)],
                              "usage": _usage(event)})
 
     async def _stream(self, head: dict[str, Any], parsed: OpenAIRequest, generation: _Generation,
@@ -668,6 +680,8 @@ class _Endpoint:
         try:
             if self.chat and first is not None:
                 yield _sse({**chunk, "choices": [self._choice(None, None, delta={"role": "assistant", "content": ""})]})
+            if parsed.echo and first is not None and parsed.prompt:
+                yield _sse({**chunk, "choices": [self._choice(parsed.prompt, None)]})
             event = first
             offsets = _TextOffsets(len(parsed.prompt or ""))
             while isinstance(event, Piece):

@@ -399,3 +399,17 @@ def test_chat_logprobs_give_each_token_its_bytes_and_top_alternatives(client):
     tokens = [c.token for chunk in streamed for choice in chunk.choices if choice.logprobs
               for c in choice.logprobs.content]
     assert tokens == [c.token for c in content]
+
+
+def test_echo_returns_the_prompt_before_the_completion_as_llama_cpp_python_does(client):
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0)
+    echoed = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="m", prompt=prompt, max_tokens=8, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+    for body, why in (({"echo": True, "logprobs": 2}, "not supported yet"),):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="m", prompt=prompt, max_tokens=2, extra_body=body)
+        assert refused.value.body["param"] == "echo" and why in refused.value.body["message"]
