@@ -375,7 +375,6 @@ class Scheduler:
                                      positions=range(start, start + n), token_ids=feed[start : start + n],
                                      sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
                                      top_logprobs=task.top_logprobs if last else None,
-                                     # a speculating reference (logits_all) computes every prompt row
                                      all_rows=every_row))
             plan.append((task, n))
             budget -= n

@@ -729,16 +729,20 @@ class Stage:
                     break
                 time.sleep(0.002)
         if release:
-            self._moved_away += 1  # before the lane goes: the drain must not see it idle and stop
+            self._count_moved(+1)  # before the lane goes: the drain must not see it idle and stop
         try:
             page = runtime.export_session(session_id, self.config.max_message_bytes, tokens=wait_for_tokens or None,
                                           batches=wait_for_batches or None, release=release)
         except SkippyError:
             if release:
-                self._moved_away -= 1
+                self._count_moved(-1)
             raise
         self.metrics.sessions_moved.labels("exported").inc()
         return page
+
+    def _count_moved(self, change: int) -> None:
+        with self._pending_lock:  # exports run on several gRPC threads at once
+            self._moved_away += change
 
     def import_session(self, session_id: str, page: KvPage, *, resident: bool = False) -> int:
         _check_session_id(session_id)
