@@ -188,7 +188,6 @@ class StageRuntime:
         self.tokenizer = Tokenizer(self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self.vocab = self._vocab
         self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
         n_embd_inp = int(llama_cpp.llama_model_n_embd_inp(self._model))
         if not config.include_embeddings and n_embd_inp != self.n_embd:
@@ -225,7 +224,6 @@ class StageRuntime:
         # model. So resident prefixes need separate lanes.
         cuttable = not (llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model))
         self.keeps_prefixes = cuttable and not config.kv_unified
-        self._cuttable = cuttable
         self.cuttable = cuttable  # a session can be cut back (trim, rewind): no recurrent layers
         self._swa_window = int(llama_cpp.llama_model_n_swa(self._model))
         self.lanes = LaneTable(
@@ -256,6 +254,10 @@ class StageRuntime:
             cells_per_lane=self.cells_per_lane,
             kv_unified=config.kv_unified,
         )
+
+    @property
+    def vocab(self) -> llama_cpp.llama_vocab_p:
+        return self._vocab
 
     @property
     def session_limit_hint(self) -> str:
@@ -394,7 +396,7 @@ class StageRuntime:
                 # llama.cpp's output buffer grows to the largest batch's outputs x n_vocab floats
                 raise InvalidRequestError(f"{where} brings the batch's output rows to {outputs}: at most "
                                           f"n_ubatch={cfg.n_ubatch} per batch (all_rows and verify output every row)")
-            if e.rewind and not self._cuttable:
+            if e.rewind and not self.cuttable:
                 raise InvalidRequestError(f"{where}.rewind: stage {cfg.stage_id} holds a recurrent model, whose state "
                                           f"cannot be cut back (no speculative decoding)")
             if e.top_logprobs is not None and (not e.sample or not 0 <= e.top_logprobs <= MAX_TOP_LOGPROBS):
@@ -705,7 +707,7 @@ class StageRuntime:
                                           f"{self.config.stage_id}'s {name}={getattr(want, name)!r}")
         if got.n_tokens <= 0:
             raise InvalidRequestError(f"page.descriptor.n_tokens={got.n_tokens} must be positive")
-        if not self._cuttable:
+        if not self.cuttable:
             # llama.cpp's recurrent state reader asserts on a malformed page (aborting the process)
             raise InvalidRequestError(f"page: stage {self.config.stage_id} holds a recurrent model, whose KV "
                                       f"pages are not imported")
