@@ -59,6 +59,10 @@ class StageMetrics:
                                     "decoding (sent through the chain to be verified)", registry=r)
         self.spec_accepted = Counter("skippy_spec_accepted_tokens", "Drafted tokens the final stage's samples "
                                      "agreed with (kept)", registry=r)
+        self.session_forks = Counter("skippy_session_forks", "New sessions that started as a copy of a live "
+                                     "session's KV (fork_of: n choices of one prompt)", registry=r)
+        self.fork_tokens_copied = Counter("skippy_fork_tokens_copied", "Tokens whose KV a fork copied instead of "
+                                          "computing them again", registry=r)
         self.session_recoveries = Counter("skippy_session_recoveries", "Sessions the head re-prefilled through the "
                                           "chain after a stage below failed", registry=r)
         self._gauges = {

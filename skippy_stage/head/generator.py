@@ -20,7 +20,7 @@ import llama_cpp
 import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from skippy_stage.errors import ConfigError, InvalidRequestError
+from skippy_stage.errors import ConfigError, InvalidFieldError, InvalidRequestError
 from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, SpeculativeRequest
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import (
@@ -34,7 +34,7 @@ from skippy_stage.head.scheduler import (
     Task,
 )
 from skippy_stage.model.runtime import StageRuntime, TokenLogprob
-from skippy_stage.model.sampling import SamplingParams, parse_grammar
+from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, parse_grammar
 from skippy_stage.stage.stage import Stage
 
 log = structlog.get_logger("skippy_stage.head")
@@ -207,6 +207,16 @@ class Generator:
     def generate(self, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:
         """Submit the generation to the scheduler and turn its tokens into text pieces."""
+        (task,) = self.start(spec)
+        yield from self.pieces(task, spec, remaining_s=remaining_s, is_active=is_active)
+
+    def start(self, spec: GenerateSpec, n: int = 1) -> list[Task]:
+        """Check ``spec`` and submit ``n`` choices of it, as n sessions in the same iteration batches.
+
+        The first prefills the prompt; the others start as copies of its KV on every stage (a
+        model whose state can be copied; else each prefills it). With a seed, choice i samples with
+        seed + i, so the n choices are reproducible and differ from each other. The caller reads
+        each with :meth:`pieces`, and cancels every one it does not read to its end."""
         prompt = self.prompt_tokens(spec)
         if not prompt:
             raise InvalidRequestError("prompt tokenises to no tokens")
@@ -215,24 +225,37 @@ class Generator:
                 f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} "
                 f"({self.runtime.session_limit_hint})"
             )
+        if not 1 <= n <= self.stage.config.lane_count:
+            raise InvalidFieldError("n", f"n={n} choices need as many lanes at once: between 1 and this "
+                                         f"pipeline's lane_count={self.stage.config.lane_count}")
         sampling = spec.sampling
         if sampling.grammar:
             # refused here, before any stage computes; it constrains the generated tokens only
             llama_cpp.llama_sampler_free(parse_grammar(self.runtime.vocab, sampling.grammar))
             sampling = dataclasses.replace(sampling, grammar_start=len(prompt))
-        task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=sampling, max_tokens=spec.max_tokens,
-                    top_logprobs=spec.top_logprobs)
         speculation = self.stage.config.speculative
         if spec.speculative is not None:
             speculation = spec.speculative.over(speculation)
-        if speculation.enabled:
-            if not self.runtime.cuttable:
-                raise InvalidRequestError(f"speculative.drafter={speculation.drafter!r}: this model's state cannot be "
-                                          f"cut back (recurrent layers), so rejected drafts could not be removed")
-            task.drafter = self.drafters.for_spec(speculation)
-            task.draft_budget = DraftBudget(speculation.k, speculation.adaptive)
+        if speculation.enabled and not self.runtime.cuttable:
+            raise InvalidRequestError(f"speculative.drafter={speculation.drafter!r}: this model's state cannot be "
+                                      f"cut back (recurrent layers), so rejected drafts could not be removed")
+        tasks = []
+        for i in range(n):
+            seeded = sampling if sampling.seed == RANDOM_SEED or i == 0 else \
+                dataclasses.replace(sampling, seed=(sampling.seed + i) % RANDOM_SEED)
+            task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=seeded, max_tokens=spec.max_tokens,
+                        top_logprobs=spec.top_logprobs)
+            if speculation.enabled:
+                task.drafter = self.drafters.for_spec(speculation)
+                task.draft_budget = DraftBudget(speculation.k, speculation.adaptive)
+            tasks.append(task)
+        self.scheduler.submit(tasks[0], tasks[1:], share_prompt=self.runtime.cuttable)
+        return tasks
+
+    def pieces(self, task: Task, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
+               is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:
+        """One submitted task's tokens as text pieces, then its Finish; cancels the task at the end."""
         slog = log.bind(stage_id=self.stage.config.stage_id, session_id=task.session_id)
-        self.scheduler.submit(task)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         scanner = StopScanner(spec.stop)
         completion = 0
@@ -275,7 +298,7 @@ class Generator:
                     tail += scanner.flush()  # no stop string can complete any more
                 if tail or pending_ids:
                     yield Piece(tail, pending_ids, pending_lps)
-            yield Finish(reason, len(prompt), completion, task.session_id, task.cached_tokens)
+            yield Finish(reason, len(task.prompt), completion, task.session_id, task.cached_tokens)
         finally:
             task.cancel()  # the scheduler frees the session on every stage
 

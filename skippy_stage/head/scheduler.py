@@ -102,6 +102,12 @@ class Task:
     drafted: int = 0
     # Log-probabilities of each sampled token and this many alternatives (None: none).
     top_logprobs: int | None = None
+    # n choices of one prompt: the first (the source) prefills all but the prompt's last token and
+    # holds there (``hold_at``) until its ``forks`` join it; each fork then starts as a copy of the
+    # source's KV on every stage (``fork_of``) and feeds that last token itself, in the same step.
+    forks: list[Task] = field(default_factory=list)
+    fork_from: Task | None = None
+    hold_at: int | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -188,7 +194,19 @@ class Scheduler:
 
     # -- the client side -------------------------------------------------------------
 
-    def submit(self, task: Task) -> None:
+    def submit(self, task: Task, forks: list[Task] | None = None, *, share_prompt: bool = True) -> None:
+        """Queue ``task``; ``forks`` are more choices of the same prompt, admitted with it into its
+        group. With ``share_prompt`` (a model whose KV can be copied) they start as copies of its KV
+        once it has prefilled all but the prompt's last token, so the prompt is prefilled once."""
+        family = [task, *(forks or [])]
+        if len(family) > self.limits.lane_count:
+            raise CapacityError(f"{len(family)} choices need as many lanes at once; lane_count="
+                                f"{self.limits.lane_count}")
+        task.forks = family[1:]
+        if task.forks and share_prompt and len(task.prompt) > 1:
+            task.hold_at = len(task.prompt) - 1
+            for fork in task.forks:
+                fork.fork_from = task
         with self._cond:
             if self._closed:
                 raise CapacityError("the head is shutting down; retry on another replica")
@@ -212,7 +230,7 @@ class Scheduler:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
             self._cond.notify_all()
-        for task in waiting:
+        for task in (member for leader in waiting for member in (leader, *leader.forks)):
             task.events.put(Failed(CapacityError("the head is shutting down; retry on another replica")))
         for worker in self._workers:
             worker.join(timeout=self.limits.step_timeout_s)
@@ -229,28 +247,38 @@ class Scheduler:
         active = sum(len(g) for g in self._groups)
         while self._waiting:
             task = self._waiting[0]
+            family = [task, *task.forks]
             if task.cancelled:
                 self._waiting.popleft()
+                for fork in reversed([f for f in task.forks if not f.cancelled]):
+                    fork.fork_from = None  # the others of the request still wait, on their own
+                    self._waiting.appendleft(fork)
                 continue
             if now - task.enqueued_at > self.limits.max_queue_wait_s:
                 self._waiting.popleft()
-                task.events.put(Failed(self._capacity(
-                    f"waited {now - task.enqueued_at:.1f}s for a lane (admission_wait_s={self.limits.max_queue_wait_s})")))
+                for member in family:
+                    member.events.put(Failed(self._capacity(f"waited {now - task.enqueued_at:.1f}s for a lane "
+                                                            f"(admission_wait_s={self.limits.max_queue_wait_s})")))
                 continue
-            reserve = task.reserve(self.limits.max_context)
-            if active >= self.limits.lane_count or self._reserved + reserve > self.limits.kv_pool_tokens:
+            reserve = sum(member.reserve(self.limits.max_context) for member in family)
+            if active + len(family) > self.limits.lane_count or self._reserved + reserve > self.limits.kv_pool_tokens:
                 return
             self._waiting.popleft()
-            task.admitted_at = now
+            for member in family:
+                member.admitted_at = now
+                group.append(member)
             self._reserved += reserve
-            group.append(task)
-            active += 1
-            self._claim_prefix(task)
+            active += len(family)
+            for member in family:
+                if member.fork_from is None:
+                    self._claim_prefix(member)
 
     def _claim_prefix(self, task: Task) -> None:
         if self.prefixes is None or task.replay is not None or task.prefilled:
             return
-        match = self.prefixes.claim(task.prompt)
+        # A source of forks keeps at least the token before its hold to prefill: the step that carries
+        # the prefix is never the one its forks copy it in.
+        match = self.prefixes.claim(task.prompt if task.hold_at is None else task.prompt[: task.hold_at])
         if match is None:
             self._on_prefix("miss", 0)
             return
@@ -355,11 +383,21 @@ class Scheduler:
                 budget -= n
                 outputs -= n
         for task in batch:
+            if self._source(task) is not None:
+                continue  # it joins its source's step
             feed = task.to_feed
-            remaining = len(feed) - task.prefilled
+            hold = self._hold(task)
+            remaining = (len(feed) if hold is None else hold) - task.prefilled
             # a reference computing logits for every row (speculation, logprobs) has these shapes
             every_row = task.drafter is not None or task.top_logprobs is not None
-            if task.recovering is not None or remaining <= 0 or budget <= 0 or outputs <= 0:
+            if task.recovering is not None or budget <= 0 or outputs <= 0:
+                continue
+            if hold is not None and remaining == 0:
+                taken = self._fork_entries(task, hold, budget, outputs, entries, plan)
+                budget -= taken
+                outputs -= taken
+                continue
+            if remaining <= 0:
                 continue
             n = min(remaining, self.limits.n_ubatch, budget, outputs if every_row else budget)
             start = task.prefilled
@@ -380,6 +418,43 @@ class Scheduler:
             budget -= n
             outputs -= n if every_row else int(last)
         return entries, plan
+
+    @staticmethod
+    def _source(task: Task) -> Task | None:
+        """The session ``task`` will start as a copy of, while that is still on; else None (and it
+        prefills the prompt itself, as after a recovery of either)."""
+        source = task.fork_from
+        if source is None:
+            return None
+        if (source.cancelled or source.recovering is not None or source.replay is not None or source.hold_at is None
+                or task.recovering is not None or task.replay is not None):
+            task.fork_from = None
+            return None
+        return source
+
+    def _hold(self, task: Task) -> int | None:
+        """Where ``task``'s prefill waits for its forks (None: it does not, or no longer)."""
+        if task.hold_at is not None and (task.replay is not None
+                                         or not any(self._source(f) is task for f in task.forks)):
+            task.hold_at = None
+        return task.hold_at
+
+    def _fork_entries(self, source: Task, hold: int, budget: int, outputs: int, entries: list[StepEntry],
+                      plan: list[tuple[Task, int]]) -> int:
+        """The step that feeds the prompt's last token to ``source`` and to each fork, which starts as
+        a copy of ``source``'s KV up to it: one row and one sample each. Returns the rows taken (0:
+        not this step, the batch is too full)."""
+        family = [source, *(f for f in source.forks if self._source(f) is source)]
+        if len(family) > min(budget, outputs):
+            return 0
+        for member in family:
+            entries.append(StepEntry(session_id=member.session_id, phase=PHASE_PREFILL,
+                                     positions=range(hold, hold + 1), token_ids=member.prompt[hold : hold + 1],
+                                     sample_last=True, sampling=member.sampling, top_logprobs=member.top_logprobs,
+                                     all_rows=member.drafter is not None or member.top_logprobs is not None,
+                                     fork_of=None if member is source else source.session_id))
+            plan.append((member, hold + 1 - member.prefilled))
+        return len(family)
 
     def _draft(self, task: Task, position: int, room: int) -> list[int]:
         """The tokens ``task`` drafts to follow its last one this step (llama-cpp-python's schedule:
@@ -511,6 +586,9 @@ class Scheduler:
             return
         for (task, n_prefill), out in zip(plan, response.outputs):
             task.prefilled += n_prefill
+            task.fork_from = None  # a fork carried through the chain is a session like any other
+            if task.hold_at is not None and task.prefilled > task.hold_at:
+                task.hold_at = None
             if task.prefix_id is not None and n_prefill:
                 self._on_prefix("hit", task.cached_tokens)
                 task.prefix_id = None

@@ -49,6 +49,7 @@ class Step:
     want_logits: bool = True
     sample: bool = True
     sampling: SamplingParams | None = None
+    fork_of: str | None = None  # a new session starting as a copy of this one's first ``start`` tokens
 
 
 class Chain:
@@ -70,7 +71,8 @@ class Chain:
     def step(self, steps: Sequence[Step], trace: list[list[EntryResult]] | None = None) -> list[EntryResult]:
         """Run one batch through every stage; ``trace`` collects each inner stage's results."""
         entries = [
-            BatchEntry(s.session_id, np.arange(s.start, s.start + len(s.tokens)), token_ids=list(s.tokens))
+            BatchEntry(s.session_id, np.arange(s.start, s.start + len(s.tokens)), token_ids=list(s.tokens),
+                       fork_of=s.fork_of)
             for s in steps
         ]
         results: list[EntryResult] = []
@@ -78,13 +80,13 @@ class Chain:
             final = index == len(self.stages) - 1
             if index > 0:
                 entries = [
-                    BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=r.hidden)
+                    BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=r.hidden, fork_of=e.fork_of)
                     for e, r in zip(entries, results)
                 ]
             if final:
                 entries = [
                     BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=e.hidden,
-                               want_logits=s.want_logits, sample=s.sample, sampling=s.sampling)
+                               want_logits=s.want_logits, sample=s.sample, sampling=s.sampling, fork_of=e.fork_of)
                     for e, s in zip(entries, steps)
                 ]
             results = stage.run_batch(entries)

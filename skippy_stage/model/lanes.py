@@ -8,7 +8,10 @@ before reuse, so "all execution lanes are busy" always means exactly that.
 
 A session may instead *retire*: its lane keeps its KV as a resident prefix under the
 session's id (at most ``cache_idle_slots`` of them, least recently used evicted first), and
-a later session that names the prefix takes the lane, keeping its first N tokens. Resident
+a later session that names the prefix takes the lane, keeping its first N tokens. A new session
+may also *fork* a live one: it takes a lane of its own and a copy of the live session's first N
+tokens' KV (the injected ``fork``, one llama.cpp copy), so n choices of one prompt prefill it
+once. Resident
 prefixes yield to live work: a new session that finds no idle or free lane, or a batch that
 finds the KV pool full, evicts the least recently used one (its reset runs under the lock,
 like a discarded lane's retry: rare, and one llama.cpp call).
@@ -56,13 +59,15 @@ class Admission:
     """One batch entry's claim: session, first position, number of new tokens.
 
     A new session with ``prefix_id`` takes that resident prefix's lane and keeps its first
-    ``start_pos`` tokens (the rest are trimmed away).
+    ``start_pos`` tokens (the rest are trimmed away). A new session with ``fork_of`` takes a lane of
+    its own holding a copy of that live session's first ``start_pos`` tokens.
     """
 
     session_id: str
     start_pos: int
     n_tokens: int
     prefix_id: str | None = None
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class DropResult:
 
 ResetFn = Callable[[int], bool]
 TrimFn = Callable[[int, int], bool]  # (lane, keep): drop the lane's KV from position ``keep`` on
+ForkFn = Callable[[int, int, int], bool]  # (source lane, new lane, keep): copy the first ``keep`` tokens' KV
 
 
 class LaneTable:
@@ -126,13 +132,15 @@ class LaneTable:
         cache_idle_slots: int | None,
         reset: ResetFn,
         trim: TrimFn | None = None,
+        fork: ForkFn | None = None,
         resident_slots: int | None = None,
         owner: str = "this stage",
         lane_limit_hint: str = "",
     ) -> None:
         """``lane_limit_hint`` names the setting that raises ``cells_per_lane``, for refusals.
         ``resident_slots`` bounds the resident prefixes (unset: the idle bound); without ``trim``
-        none is kept, since there is no way to reuse a prefix in part, nor to trim a session."""
+        none is kept, since there is no way to reuse a prefix in part, nor to trim a session; without
+        ``fork`` a session cannot be forked."""
         self.owner = owner
         self.lane_limit_hint = lane_limit_hint
         self.lane_count = lane_count
@@ -141,6 +149,7 @@ class LaneTable:
         self.idle_bound = lane_count if cache_idle_slots is None else cache_idle_slots
         self._reset = reset
         self._trim = trim
+        self._fork = fork
         self.resident_slots = self.idle_bound if resident_slots is None else resident_slots
         self._resident: OrderedDict[str, SessionLane] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -218,7 +227,11 @@ class LaneTable:
             total_new = 0
             for a in admissions:
                 bound = self._sessions.get(a.session_id)
-                if bound is None and a.prefix_id is not None:
+                if a.fork_of is not None:
+                    self._check_fork_locked(a, bound)
+                    new.append(a)
+                    have = a.start_pos
+                elif bound is None and a.prefix_id is not None:
                     resident = self._resident.get(a.prefix_id)
                     if resident is None or a.prefix_id in taken:
                         raise PrefixMissError(f"prefix_id={a.prefix_id!r} is not resident on {self.owner} "
@@ -252,7 +265,7 @@ class LaneTable:
                     )
                 total_new += a.n_tokens
             used = sum(s.n_tokens for s in self._sessions.values())
-            kept = sum(a.start_pos for a in new if a.prefix_id is not None)
+            kept = sum(a.start_pos for a in new if a.prefix_id is not None or a.fork_of is not None)
             evictable = [p for p in self._resident if p not in taken]
             resident_tokens = sum(self._resident[p].n_tokens for p in evictable)
             if used + kept + total_new > self.kv_pool_tokens:
@@ -278,6 +291,8 @@ class LaneTable:
                 for a in sorted(new, key=lambda a: a.prefix_id is None):
                     if a.prefix_id is not None:
                         self._bind_prefix_locked(a)
+                    elif a.fork_of is not None:
+                        self._bind_fork_locked(a)
                     else:
                         self._sessions[a.session_id] = SessionLane(a.session_id, self._take_lane())
                     bound_now.append(a.session_id)
@@ -376,6 +391,34 @@ class LaneTable:
             return [s.session_id for s in self._sessions.values() if s.last_used < cutoff]
 
     # -- internals (lock held, except _reset_and_place) -------------------------------
+
+    def _check_fork_locked(self, a: Admission, bound: SessionLane | None) -> None:
+        """A fork names a new session and a session bound before this batch that holds the tokens it keeps."""
+        if self._fork is None:
+            raise InvalidRequestError(f"fork_of={a.fork_of!r} for session_id={a.session_id!r}: {self.owner} cannot "
+                                      f"copy a session's state (recurrent layers)")
+        if bound is not None:
+            raise SessionStateError(f"session_id={a.session_id!r} is already bound on {self.owner}; fork_of names "
+                                    f"the source of a new session")
+        source = self._sessions.get(a.fork_of)
+        if source is None:
+            raise UnknownSessionError(f"fork_of={a.fork_of!r} is not a live session on {self.owner}")
+        if a.start_pos > source.n_tokens:
+            raise SessionStateError(f"fork_of={a.fork_of!r} holds {source.n_tokens} tokens on {self.owner}; "
+                                    f"positions start at {a.start_pos}")
+
+    def _bind_fork_locked(self, a: Admission) -> None:
+        lane = self._take_lane()
+        source = self._sessions[a.fork_of]
+        try:
+            copied = bool(self._fork(source.lane, lane, a.start_pos))
+        except Exception:  # noqa: BLE001 - a failed copy leaves the lane in doubt: it is reset below
+            copied = False
+        if not copied:
+            self._place_locked(lane, clean=self._try_reset(lane))
+            raise SessionStateError(f"fork_of={a.fork_of!r}: its first {a.start_pos} tokens could not be copied on "
+                                    f"{self.owner} (a sliding window already past them)")
+        self._sessions[a.session_id] = SessionLane(a.session_id, lane, a.start_pos)
 
     def _bind_prefix_locked(self, a: Admission) -> None:
         resident = self._resident.pop(a.prefix_id)

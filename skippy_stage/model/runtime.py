@@ -82,6 +82,9 @@ class BatchEntry:
     # Final stage: with each sample, its log-probability and this many most likely alternatives,
     # from the full-vocabulary logits before any sampler (None: none).
     top_logprobs: int | None = None
+    # A new session that starts as a copy of this live session's first positions[0] tokens (n
+    # choices of one prompt: the prompt prefilled once).
+    fork_of: str | None = None
 
 
 MAX_TOP_LOGPROBS = 20
@@ -233,6 +236,7 @@ class StageRuntime:
             cache_idle_slots=config.cache_idle_slots,
             reset=self._reset_lane,
             trim=self._trim_lane if cuttable else None,
+            fork=self._fork_lane if cuttable else None,
             resident_slots=None if self.keeps_prefixes else 0,
             owner=f"stage {config.stage_id}",
             lane_limit_hint=self.session_limit_hint,
@@ -387,6 +391,12 @@ class StageRuntime:
             if e.prefix_id is not None and (not isinstance(e.prefix_id, str) or not e.prefix_id
                                             or len(e.prefix_id) > MAX_SESSION_ID_LEN):
                 raise InvalidRequestError(f"{where}.prefix_id={e.prefix_id!r} must be 1..{MAX_SESSION_ID_LEN} characters")
+            if e.fork_of is not None:
+                if not isinstance(e.fork_of, str) or not e.fork_of or len(e.fork_of) > MAX_SESSION_ID_LEN:
+                    raise InvalidRequestError(f"{where}.fork_of={e.fork_of!r} must be 1..{MAX_SESSION_ID_LEN} characters")
+                if e.prefix_id is not None or e.fork_of == e.session_id:
+                    raise InvalidRequestError(f"{where}.fork_of={e.fork_of!r} must name another session, and not with "
+                                              f"prefix_id")
             if (e.sample or e.want_logits) and not cfg.include_output:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
             if e.sample:
@@ -422,12 +432,14 @@ class StageRuntime:
                 self._check_rewind(i, c.entry.session_id, int(c.positions[0]))
             for _, c in rewinds:
                 self._rewind(c.entry.session_id, int(c.positions[0]))
-            lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n, c.entry.prefix_id)
-                                           for c in checked])
+            lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n, c.entry.prefix_id,
+                                                     c.entry.fork_of) for c in checked])
             for c in checked:
                 if c.entry.prefix_id is not None and c.entry.session_id in new:
                     kept = self._resident_history.pop(c.entry.prefix_id, [])
                     self._history[c.entry.session_id] = kept[: int(c.positions[0])]
+                elif c.entry.fork_of is not None and c.entry.fork_of in self._history:
+                    self._history[c.entry.session_id] = self._history[c.entry.fork_of][: int(c.positions[0])]
             try:
                 results = self._decode(checked, lanes)
             except BaseException:
@@ -635,6 +647,14 @@ class StageRuntime:
             if int(llama_cpp.llama_memory_seq_pos_min(self._mem, lane)) > max(0, keep - self._swa_window):
                 return False
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, keep, -1))
+
+    def _fork_lane(self, source: int, lane: int, keep: int) -> bool:
+        """Copy a lane's first ``keep`` tokens' KV into an empty one. Across separate lanes (streams)
+        llama.cpp copies only whole streams (it asserts on a partial copy, aborting the process), and
+        does so before the next decode: so copy all, then cut the copy back."""
+        held = int(llama_cpp.llama_memory_seq_pos_max(self._mem, source)) + 1
+        llama_cpp.llama_memory_seq_cp(self._mem, source, lane, -1, -1)
+        return keep >= held or self._trim_lane(lane, keep)
 
     def model_digest(self) -> str:
         """sha256 of the stage file: from the slice cache's manifest when there is one, else read

@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from skippy_stage.errors import ConfigError, DownstreamError, InvalidFieldError, InvalidRequestError, SkippyError
 from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, Piece
+from skippy_stage.head.scheduler import Task
 from skippy_stage.model.runtime import MAX_TOP_LOGPROBS
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, check_grammar_text
 from skippy_stage.security import Credentials
@@ -64,10 +65,10 @@ ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and llama-cpp-python's) default for /v1/completions
 MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_CHOICES = 128  # n; the pipeline's lane_count bounds it further
 # Fields this server does not implement, with the values that mean "not used": any other
 # value is refused rather than silently ignored.
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "suffix": ("",),
     "presence_penalty": (0,),
@@ -95,6 +96,7 @@ class OpenAIRequest:
     speculative: SpeculativeRequest | None = None
     top_logprobs: int | None = None  # logprobs asked: each token's, and this many alternatives
     echo: bool = False  # completions: the prompt comes back before the completion
+    n: int = 1  # independent choices of the same prompt
 
     def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
         """The Generate spec, with max_tokens checked against the pipeline's session size."""
@@ -360,7 +362,8 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                          speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs,
-                         echo=_echo(body, chat=chat, logprobs=top_logprobs is not None))
+                         echo=_echo(body, chat=chat, logprobs=top_logprobs is not None),
+                         n=_int_field(body, "n", low=1, high=MAX_CHOICES) or 1)
 
 
 # -- errors --------------------------------------------------------------------------
@@ -452,39 +455,64 @@ class _Live:
 
 
 class _Generation:
-    """One Generator.generate run on its own thread; its events reach the event loop by a queue.
+    """A request's choices, each read on a thread of its own (``Generator.pieces``); their events
+    reach the event loop as ``(choice index, event)`` on one queue.
 
-    A thread per generation (not a shared pool) because a generation may wait in the
-    admission queue for a long time and must not hold back others.
+    Threads (not a shared pool) because a generation may wait in the admission queue for a long
+    time and must not hold back others.
     """
 
-    def __init__(self, generator: Generator, spec: GenerateSpec, live: _Live) -> None:
+    def __init__(self, generator: Generator, spec: GenerateSpec, live: _Live, n: int = 1) -> None:
         self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[object] = asyncio.Queue()
+        self._events: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._gone = threading.Event()
         self._live = live
+        self.n = n
+        self._ended = 0
+        self._lock = threading.Lock()
+        self._running = n
+        self._tasks: list[Task] = []
         live.add(self)
-        self._thread = threading.Thread(target=self._drive, args=(generator, spec), name="openai-generate",
-                                        daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._start, args=(generator, spec), name="openai-generate", daemon=True).start()
 
-    def _drive(self, generator: Generator, spec: GenerateSpec) -> None:
+    def _start(self, generator: Generator, spec: GenerateSpec) -> None:
         try:
-            events = generator.generate(spec, remaining_s=lambda: None, is_active=lambda: not self._gone.is_set())
+            tasks = generator.start(spec, self.n)
+        except Exception as exc:  # noqa: BLE001 -- handed to the request's coroutine, which reports it
+            self._live.discard(self)
+            self._post((0, exc))
+            return
+        with self._lock:
+            self._tasks = tasks
+        if self._gone.is_set():
+            self.cancel()
+        for index, task in enumerate(tasks[1:], 1):
+            threading.Thread(target=self._drive, args=(generator, spec, index, task), name="openai-generate",
+                             daemon=True).start()
+        self._drive(generator, spec, 0, tasks[0])
+
+    def _drive(self, generator: Generator, spec: GenerateSpec, index: int, task: Task) -> None:
+        try:
+            events = generator.pieces(task, spec, remaining_s=lambda: None, is_active=lambda: not self._gone.is_set())
             try:
                 for event in events:
                     if self._gone.is_set():
                         break
-                    self._post(event)
+                    self._post((index, event))
             finally:
-                events.close()  # cancels the task: the scheduler frees the session on every stage
+                events.close()
+                task.cancel()  # the scheduler frees the session on every stage
         except Exception as exc:  # noqa: BLE001 -- handed to the request's coroutine, which reports it
-            self._post(exc)
+            self._post((index, exc))
         finally:
-            self._live.discard(self)
-            self._post(_END)
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                self._live.discard(self)
+            self._post((index, _END))
 
-    def _post(self, item: object) -> None:
+    def _post(self, item: tuple[int, object]) -> None:
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, item)
         except RuntimeError:  # the event loop is closed (server stopped): nobody is listening
@@ -493,20 +521,28 @@ class _Generation:
     def cancel(self) -> None:
         """Stop generating: the client is gone or has what it needs."""
         self._gone.set()
+        with self._lock:
+            tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
 
     def abort(self, exc: SkippyError) -> None:
         """End the generation with ``exc`` for its client (from any thread)."""
         self._gone.set()
-        self._post(exc)
+        self._post((0, exc))
 
-    async def next(self) -> Piece | Finish | None:
-        """The next event; None once the generation has ended (or was cancelled)."""
-        item = await self._events.get()
-        if item is _END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item  # type: ignore[return-value]
+    async def next(self) -> tuple[int, Piece | Finish] | None:
+        """The next event of some choice; None once every choice has ended (or was cancelled)."""
+        while True:
+            index, item = await self._events.get()
+            if item is _END:
+                self._ended += 1
+                if self._ended >= self.n:
+                    return None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return index, item  # type: ignore[return-value]
 
     async def watch(self, request: Request) -> None:
         """Cancel the generation when the client disconnects."""
@@ -540,10 +576,11 @@ def _model_id(servicer: Any) -> str:
     return config.model_id or Path(config.model_path).name
 
 
-def _usage(finish: Finish) -> dict[str, object]:
-    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
+def _usage(finishes: list[Finish]) -> dict[str, object]:
+    """OpenAI's usage of n choices: the prompt counted once, every choice's completion tokens."""
+    prompt, completion = finishes[0].prompt_tokens, sum(f.completion_tokens for f in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": finishes[0].cached_tokens}}
 
 
 def _sse(data: object) -> bytes:
@@ -583,12 +620,12 @@ class _Endpoint:
         log.info("openai request refused", endpoint=self.name, error=str(exc))
         return error_response(exc)
 
-    def _choice(self, text: str | None, finish_reason: str | None, *, delta: dict | None = None,
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, *, delta: dict | None = None,
                 logprobs: dict | None = None) -> dict[str, Any]:
         if self.chat:
             body = {"delta": delta} if delta is not None else {"message": {"role": "assistant", "content": text}}
-            return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, pieces: list[Piece], offsets: _TextOffsets) -> dict | None:
         """OpenAI's logprobs of ``pieces``' tokens: chat's ``content`` list (token, logprob, bytes,
@@ -629,7 +666,7 @@ class _Endpoint:
             spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
         except SkippyError as exc:
             return self._refuse(exc)
-        generation = _Generation(generator, spec, self.live)
+        generation = _Generation(generator, spec, self.live, parsed.n)
         watcher = asyncio.create_task(generation.watch(request))
         head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": _model_id(self.servicer)}
@@ -649,53 +686,75 @@ class _Endpoint:
             stream = self._stream(head, parsed, generation, first, watcher, started)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces: list[list[Piece]] = [[] for _ in range(parsed.n)]
+        finishes: dict[int, Finish] = {}
         try:
-            texts: list[str] = []
-            pieces: list[Piece] = []
-            event: Piece | Finish | None = first
-            while isinstance(event, Piece):
-                texts.append(event.text)
-                pieces.append(event)
-                event = await generation.next()
+            item = first
+            while item is not None:
+                index, event = item
+                if isinstance(event, Piece):
+                    pieces[index].append(event)
+                else:
+                    finishes[index] = event
+                    if len(finishes) == parsed.n:
+                        break
+                item = await generation.next()
         except SkippyError as exc:
             return self._refuse(exc)
         finally:
             watcher.cancel()
             generation.cancel()
-        if event is None:  # the client went away
+        if len(finishes) < parsed.n:  # the client went away
             return Response(status_code=499)
-        self._done(event, started)
-        logprobs = (self._logprobs(pieces, _TextOffsets(len(parsed.prompt or "")))
-                    if parsed.top_logprobs is not None else None)
-        text = (parsed.prompt or "") + "".join(texts) if parsed.echo else "".join(texts)
-        return JSONResponse({**head, "object": self.object,
-                             "choices": [self._choice(text, event.reason, logprobs=logprobs)],
-                             "usage": _usage(event)})
+        ends = [finishes[i] for i in range(parsed.n)]
+        self._done(ends, started)
+        prompt = parsed.prompt or ""
+        choices = []
+        for index, (done, got) in enumerate(zip(ends, pieces)):
+            logprobs = self._logprobs(got, _TextOffsets(len(prompt))) if parsed.top_logprobs is not None else None
+            text = "".join(piece.text for piece in got)
+            choices.append(self._choice(index, prompt + text if parsed.echo else text, done.reason,
+                                        logprobs=logprobs))
+        return JSONResponse({**head, "object": self.object, "choices": choices, "usage": _usage(ends)})
 
     async def _stream(self, head: dict[str, Any], parsed: OpenAIRequest, generation: _Generation,
-                      first: Piece | Finish | None, watcher: asyncio.Task, started: float) -> AsyncIterator[bytes]:
+                      first: tuple[int, Piece | Finish] | None, watcher: asyncio.Task,
+                      started: float) -> AsyncIterator[bytes]:
         chunk = {**head, "object": self.object + ".chunk" if self.chat else self.object}
         if parsed.include_usage:
             chunk["usage"] = None
         try:
-            if self.chat and first is not None:
-                yield _sse({**chunk, "choices": [self._choice(None, None, delta={"role": "assistant", "content": ""})]})
-            if parsed.echo and first is not None and parsed.prompt:
-                yield _sse({**chunk, "choices": [self._choice(parsed.prompt, None)]})
-            event = first
-            offsets = _TextOffsets(len(parsed.prompt or ""))
-            while isinstance(event, Piece):
-                if event.text or event.logprobs:
-                    delta = {"content": event.text} if self.chat else None
-                    logprobs = self._logprobs([event], offsets) if parsed.top_logprobs is not None else None
-                    yield _sse({**chunk, "choices": [self._choice(event.text, None, delta=delta, logprobs=logprobs)]})
-                event = await generation.next()
-            if isinstance(event, Finish):
-                self._done(event, started)
-                yield _sse({**chunk, "choices": [self._choice("" if not self.chat else None, event.reason,
-                                                              delta={} if self.chat else None)]})
+            if first is not None:
+                for index in range(parsed.n):
+                    if self.chat:
+                        yield _sse({**chunk, "choices": [self._choice(index, None, None,
+                                                                      delta={"role": "assistant", "content": ""})]})
+                    if parsed.echo and parsed.prompt:
+                        yield _sse({**chunk, "choices": [self._choice(index, parsed.prompt, None)]})
+            offsets = [_TextOffsets(len(parsed.prompt or "")) for _ in range(parsed.n)]
+            finishes: dict[int, Finish] = {}
+            item = first
+            while item is not None:
+                index, event = item
+                if isinstance(event, Piece):
+                    if event.text or event.logprobs:
+                        delta = {"content": event.text} if self.chat else None
+                        logprobs = (self._logprobs([event], offsets[index]) if parsed.top_logprobs is not None
+                                    else None)
+                        yield _sse({**chunk, "choices": [self._choice(index, event.text, None, delta=delta,
+                                                                      logprobs=logprobs)]})
+                else:
+                    finishes[index] = event
+                    yield _sse({**chunk, "choices": [self._choice(index, "" if not self.chat else None, event.reason,
+                                                                  delta={} if self.chat else None)]})
+                    if len(finishes) == parsed.n:
+                        break
+                item = await generation.next()
+            if len(finishes) == parsed.n:
+                ends = [finishes[i] for i in range(parsed.n)]
+                self._done(ends, started)
                 if parsed.include_usage:
-                    yield _sse({**chunk, "choices": [], "usage": _usage(event)})
+                    yield _sse({**chunk, "choices": [], "usage": _usage(ends)})
                 yield b"data: [DONE]\n\n"
         except SkippyError as exc:
             # Headers are sent: the error travels as an event, as OpenAI's streams do.
@@ -706,11 +765,12 @@ class _Endpoint:
             watcher.cancel()
             generation.cancel()
 
-    def _done(self, finish: Finish, started: float) -> None:
+    def _done(self, finishes: list[Finish], started: float) -> None:
         self._count("OK")
-        log.info("openai generate", endpoint=self.name, session_id=finish.session_id,
-                 prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
-                 finish=finish.reason, seconds=round(time.perf_counter() - started, 3))
+        log.info("openai generate", endpoint=self.name, session_id=finishes[0].session_id, choices=len(finishes),
+                 prompt_tokens=finishes[0].prompt_tokens,
+                 completion_tokens=sum(f.completion_tokens for f in finishes),
+                 finish=[f.reason for f in finishes], seconds=round(time.perf_counter() - started, 3))
 
 
 async def _read_json(request: Request) -> object:

@@ -114,6 +114,7 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         verify=e.verify,
         all_rows=e.all_rows,
         top_logprobs=e.top_logprobs if e.HasField("top_logprobs") else None,
+        fork_of=e.fork_of or None,
     )
 
 
@@ -129,6 +130,8 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
     msg.rewind, msg.verify, msg.all_rows = e.rewind, e.verify, e.all_rows
     if e.top_logprobs is not None:
         msg.top_logprobs = e.top_logprobs
+    if e.fork_of is not None:
+        msg.fork_of = e.fork_of
     return msg
 
 

@@ -346,6 +346,10 @@ class Stage:
         m.compute_seconds.observe(time.perf_counter() - started)
         m.batch_entries.observe(len(entries))
         m.batch_tokens.observe(sum(len(e.positions) for e in entries))
+        forks = [int(e.positions[0]) for e in entries if e.fork_of is not None]
+        if forks:
+            m.session_forks.inc(len(forks))
+            m.fork_tokens_copied.inc(sum(forks))
         return results
 
     def _pass_on(self, step: Step, results, downstream: DownstreamClient | LocalDownstream | None, *, relay: bool,

@@ -51,6 +51,8 @@ class StepEntry:
     verify: bool = False
     all_rows: bool = False
     top_logprobs: int | None = None  # final stage: logprobs of each sample and this many alternatives
+    # A new session starting as a copy of this live one's first positions[0] tokens (every stage).
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             verify=e.verify and shape.include_output,
             all_rows=(e.all_rows or e.verify) and shape.include_output,
             top_logprobs=e.top_logprobs if shape.include_output and e.sample_last else None,
+            fork_of=e.fork_of,
         ))
     return entries
 

@@ -68,7 +68,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_start: _Optional[int] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
-    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows", "top_logprobs")
+    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows", "top_logprobs", "fork_of")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class BatchEntry(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     ALL_ROWS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORK_OF_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     phase: Phase
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -93,7 +94,8 @@ class BatchEntry(_message.Message):
     verify: bool
     all_rows: bool
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    fork_of: str
+    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fork_of: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")

@@ -561,3 +561,98 @@ def test_a_prefix_the_head_stage_itself_no_longer_holds_restarts_only_that_sessi
         assert ("miss", 0) in events[1:]
     finally:
         scheduler.close()
+
+
+# -- n choices of one prompt ---------------------------------------------------------
+
+
+def family_layout(request: Step) -> list[tuple[str, list[int], str | None]]:
+    return [(e.session_id, list(e.positions), e.fork_of) for e in request.entries]
+
+
+def test_forks_join_their_source_at_its_prompts_last_token_and_copy_the_rest(make_scheduler):
+    """The source prefills all but the prompt's last token (no sample), then one step feeds that token
+    to it and to every fork, each fork naming the source: the prompt is prefilled once."""
+    chain = FakeChain()
+    scheduler = make_scheduler(chain, n_ubatch=4)
+    a, b, c = make_task("a", 6, 2), make_task("b", 6, 2), make_task("c", 6, 2)
+    scheduler.submit(a, [b, c])
+    for task in (a, b, c):
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    assert [family_layout(r) for r in chain.requests[:3]] == [
+        [("a", [0, 1, 2, 3], None)],
+        [("a", [4], None)],
+        [("a", [5], None), ("b", [5], "a"), ("c", [5], "a")],
+    ]
+    assert not chain.requests[1].entries[0].sample_last
+    assert all(e.sample_last and e.token_ids == [15] for e in chain.requests[2].entries)
+    assert all(e.fork_of is None for r in chain.requests[3:] for e in r.entries)
+
+
+def test_a_family_is_admitted_whole_or_waits_and_more_choices_than_lanes_are_refused(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=3)
+    solo = make_task("solo", 2, 2)
+    scheduler.submit(solo)
+    chain.next_request()
+    a, b, c = make_task("a", 3, 1), make_task("b", 3, 1), make_task("c", 3, 1)
+    scheduler.submit(a, [b, c])  # three lanes, one taken: the family waits for all three
+    chain.gate.set()
+    assert outcome(solo)[1] == End("length")
+    for task in (a, b, c):
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    family = {"a", "b", "c"}
+    assert [s & family for s in chain.sessions_per_request() if s & family] == [{"a"}, family]
+    with pytest.raises(CapacityError, match="4 choices"):
+        scheduler.submit(make_task("x", 3, 1), [make_task(f"x{i}", 3, 1) for i in range(3)])
+
+
+def test_forks_of_a_source_cancelled_in_the_queue_still_run_prefilling_for_themselves(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=2)
+    blocker = make_task("blocker", 2, 1)
+    scheduler.submit(blocker)
+    chain.next_request()
+    a, b = make_task("a", 3, 2), make_task("b", 3, 2)
+    scheduler.submit(a, [b])
+    a.cancel()
+    chain.gate.set()
+    assert outcome(b) == (expected_tokens(b), End("length"))
+    assert ("b", [0, 1, 2], None) in [row for r in chain.requests for row in family_layout(r)]
+    assert "a" not in {e.session_id for r in chain.requests for e in r.entries}
+
+
+def test_without_a_copyable_state_every_choice_prefills_the_prompt(make_scheduler):
+    chain = FakeChain()
+    scheduler = make_scheduler(chain)
+    a, b = make_task("a", 3, 1), make_task("b", 3, 1)
+    scheduler.submit(a, [b], share_prompt=False)
+    for task in (a, b):
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    assert family_layout(chain.requests[0]) == [("a", [0, 1, 2], None), ("b", [0, 1, 2], None)]
+
+
+def test_a_failed_fork_step_recovers_every_choice_by_prefilling_it_alone(make_scheduler):
+    """The chain fails the step that forks: once it answers again each choice, the forks too,
+    re-prefills its prompt under a new session id, with no fork."""
+    failed = []
+
+    def fail(request: Step) -> SkippyError | None:
+        if any(e.fork_of for e in request.entries) and not failed:
+            failed.append(request)
+            return DownstreamError("stage-1 went away", stage_id="stage-1", code_name="UNAVAILABLE")
+        return None
+
+    chain = FakeChain(fail=fail)
+    scheduler = make_scheduler(chain)
+    a, b = make_task("a", 3, 2), make_task("b", 3, 2)
+    scheduler.submit(a, [b])
+    for task in (a, b):
+        tokens, end = outcome(task)
+        assert end == End("length") and len(tokens) == 2
+    assert failed
+    after = [row for r in chain.requests[chain.requests.index(failed[0]) + 1:] for row in family_layout(r)]
+    assert all(fork_of is None for _, _, fork_of in after)
+    assert {(len(positions), positions[0]) for _, positions, _ in after if positions[0] == 0} == {(3, 0)}

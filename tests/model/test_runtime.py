@@ -491,3 +491,51 @@ def test_a_page_import_is_refused_by_the_field_that_does_not_match(smollm2, slic
             chain.stages[1].export_session("s", 16)
     finally:
         chain.close()
+
+
+# -- forks: n choices of one prompt --------------------------------------------------
+
+
+def test_a_fork_starts_from_its_sources_kv_and_then_goes_its_own_way(chain, prompt):
+    """``fork_of`` copies the first positions[0] tokens of a live session's KV on every stage: the
+    fork's first logits equal its source's (computed in the same batch), and each then continues as
+    if alone; feeding the fork other tokens leaves the source's continuation untouched."""
+    n = len(prompt)
+    chain.step([Step("src", 0, prompt[:-1], want_logits=False, sample=False)])
+    src, fork = chain.step([Step("src", n - 1, prompt[-1:]), Step("fork", n - 1, prompt[-1:], fork_of="src")])
+    assert np.array_equal(src.logits, fork.logits)
+    assert [stage.stats().total_session_tokens for stage in chain.stages] == [2 * n, 2 * n]
+    other = int(np.argsort(src.logits)[-2])  # the fork takes the runner-up, the source its argmax
+    got = [src.token]
+    outs = chain.step([Step("src", n, [src.token], want_logits=False), Step("fork", n, [other], want_logits=False)])
+    got.append(outs[0].token)
+    for i in range(3):
+        (out, _) = chain.step([Step("src", n + 1 + i, [got[-1]], want_logits=False),
+                               Step("fork", n + 1 + i, [outs[1].token], want_logits=False)])
+        got.append(out.token)
+    chain.drop("src")
+    chain.drop("fork")
+    want, _ = generate(chain, "alone", prompt, 5)
+    assert got == want
+
+
+@pytest.mark.parametrize("case", ["unknown source", "more than it holds", "bound already", "itself", "with a prefix"])
+def test_a_fork_of_what_cannot_be_copied_is_refused_naming_fork_of(chain, head, prompt, case):
+    if case != "unknown source":
+        chain.step([Step("src", 0, prompt, sample=False)])
+    if case == "bound already":
+        head.run_batch([BatchEntry("twin", [0], token_ids=prompt[:1])])
+    n = len(prompt)
+    entry, error = {
+        "unknown source": (BatchEntry("f", [0], token_ids=[1], fork_of="nobody"), UnknownSessionError),
+        "more than it holds": (BatchEntry("f", [n + 1], token_ids=[1], fork_of="src"), SessionStateError),
+        "bound already": (BatchEntry("twin", [1], token_ids=[1], fork_of="src"), SessionStateError),
+        "itself": (BatchEntry("src", [n], token_ids=[1], fork_of="src"), InvalidRequestError),
+        "with a prefix": (BatchEntry("f", [1], token_ids=[1], fork_of="src", prefix_id="p"), InvalidRequestError),
+    }[case]
+    refuse(head, [entry], error, "fork_of")
+    for stage in chain.stages:
+        for session_id in ("src", "twin"):
+            if stage.lanes.lane_of(session_id) is not None:
+                stage.drop_session(session_id)
+    assert_serves(chain, prompt)

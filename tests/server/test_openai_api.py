@@ -208,7 +208,8 @@ def test_concurrent_clients_get_what_sequential_calls_get(start_pipeline, smollm
         ({"messages": CHATS[0], "seed": -3}, "seed"),
         ({"messages": CHATS[0], "stop": 7}, "stop"),
         ({"messages": CHATS[0], "stream": "yes"}, "stream"),
-        ({"messages": CHATS[0], "n": 2}, "n"),
+        ({"messages": CHATS[0], "n": 0}, "n"),
+        ({"messages": CHATS[0], "n": 5}, "n"),  # more choices than the pipeline's 4 lanes
     ],
 )
 def test_bad_chat_input_gets_400_naming_the_field(client, body, param):
@@ -413,3 +414,71 @@ def test_echo_returns_the_prompt_before_the_completion_as_llama_cpp_python_does(
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="m", prompt=prompt, max_tokens=2, extra_body=body)
         assert refused.value.body["param"] == "echo" and why in refused.value.body["message"]
+
+
+# -- n choices -------------------------------------------------------------------------
+
+LONG_PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
+               "The story should be set on a rocky island in the north, in winter.")
+
+
+@pytest.fixture(scope="module")
+def forking(smollm2, start_pipeline):
+    """A pipeline whose every stage serves its metrics, to see where KV was copied."""
+    metrics = free_ports("127.0.0.1", len(RANGES))
+    pipeline, base_url = start_api(start_pipeline, smollm2, metrics_port=metrics)
+    yield client_for(base_url), [f"http://127.0.0.1:{port}/metrics" for port in metrics]
+    pipeline.stop()
+
+
+def scrape(url: str, name: str) -> float:
+    """One unlabelled sample of a stage's Prometheus text."""
+    _, body = http_get(url)
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in {url}")
+
+
+def test_n_choices_with_a_seed_are_reproducible_and_their_prompt_is_prefilled_once(forking):
+    """n=3 runs as three sessions: the first prefills the prompt, the other two start as copies of its
+    KV on every stage (2 forks, 2 x (prompt - 1) tokens copied, per stage), and the batches carry far
+    fewer tokens than three prefills would. Choice i samples with seed + i: the same request gives the
+    same three texts, and they differ from each other."""
+    client, metrics = forking
+    before = [(scrape(m, "skippy_session_forks_total"), scrape(m, "skippy_fork_tokens_copied_total"),
+               scrape(m, "skippy_batch_tokens_sum")) for m in metrics]
+    ask = dict(model="m", prompt=LONG_PROMPT, max_tokens=6, temperature=1.0, seed=1234, n=3)
+    first = client.completions.create(**ask)
+    after = [(scrape(m, "skippy_session_forks_total"), scrape(m, "skippy_fork_tokens_copied_total"),
+              scrape(m, "skippy_batch_tokens_sum")) for m in metrics]
+    prompt_tokens = first.usage.prompt_tokens
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    for (forks0, copied0, fed0), (forks1, copied1, fed1) in zip(before, after):
+        assert forks1 - forks0 == 2
+        assert copied1 - copied0 == 2 * (prompt_tokens - 1)
+        assert fed1 - fed0 <= prompt_tokens + 2 + first.usage.completion_tokens < 3 * prompt_tokens
+    again = client.completions.create(**ask)
+    texts = [c.text for c in first.choices]
+    assert [c.text for c in again.choices] == texts
+    assert len(set(texts)) > 1, texts
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens
+
+
+def test_n_choices_stream_by_index_and_greedy_choices_agree(forking):
+    """A stream's chunks name their choice; gathered by index they are the non-streaming texts.
+    At temperature 0 every choice is the same text (their first tokens come from identical rows)."""
+    client, _ = forking
+    ask = dict(model="m", messages=CHATS[0], max_tokens=8, temperature=0.9, seed=7, n=2)
+    whole = client.chat.completions.create(**ask)
+    parts: dict[int, str] = {0: "", 1: ""}
+    reasons: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            parts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert [parts[0], parts[1]] == [c.message.content for c in whole.choices]
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    greedy = client.chat.completions.create(**{**ask, "temperature": 0, "n": 3})
+    assert len({c.message.content for c in greedy.choices}) == 1
