@@ -28,6 +28,7 @@ from skippy_stage.head.scheduler import (
     FINISH_STOP,
     End,
     Failed,
+    PromptLogprobs,
     Sampled,
     Scheduler,
     SchedulerLimits,
@@ -54,6 +55,7 @@ class GenerateSpec:
     stop: tuple[str, ...]
     speculative: SpeculativeRequest | None = None
     top_logprobs: int | None = None  # each token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the prompt tokens' too (a PromptLogprobs event before the pieces)
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -243,8 +245,9 @@ class Generator:
         for i in range(n):
             seeded = sampling if sampling.seed == RANDOM_SEED or i == 0 else \
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % RANDOM_SEED)
+            # the choices share a prompt: its logprobs come with the first
             task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=seeded, max_tokens=spec.max_tokens,
-                        top_logprobs=spec.top_logprobs)
+                        top_logprobs=spec.top_logprobs, prompt_logprobs=spec.prompt_logprobs if i == 0 else None)
             if speculation.enabled:
                 task.drafter = self.drafters.for_spec(speculation)
                 task.draft_budget = DraftBudget(speculation.k, speculation.adaptive)
@@ -253,8 +256,9 @@ class Generator:
         return tasks
 
     def pieces(self, task: Task, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
-               is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:
-        """One submitted task's tokens as text pieces, then its Finish; cancels the task at the end."""
+               is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish | PromptLogprobs]:
+        """One submitted task's tokens as text pieces, then its Finish; cancels the task at the end.
+        A task asked for its prompt's logprobs yields them first."""
         slog = log.bind(stage_id=self.stage.config.stage_id, session_id=task.session_id)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         scanner = StopScanner(spec.stop)
@@ -277,6 +281,9 @@ class Generator:
                 if isinstance(event, End):
                     reason = event.reason
                     break
+                if isinstance(event, PromptLogprobs):
+                    yield event
+                    continue
                 completion += 1
                 if isinstance(event, Sampled):
                     pending_lps.append(event.logprob)

@@ -68,6 +68,15 @@ class Sampled:
     logprob: TokenLogprob
 
 
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's tokens with their log-probabilities (None for the first: nothing precedes it),
+    before the first sampled token (OpenAI's echo with logprobs)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
 @dataclass
 class Task:
     """One generation as the scheduler sees it; events flow to the waiting handler."""
@@ -105,6 +114,11 @@ class Task:
     # n choices of one prompt: the first (the source) prefills all but the prompt's last token and
     # holds there (``hold_at``) until its ``forks`` join it; each fork then starts as a copy of the
     # source's KV on every stage (``fork_of``) and feeds that last token itself, in the same step.
+    # Log-probabilities of the prompt's tokens too, with this many alternatives (None: not asked);
+    # gathered by position as the prompt's chunks come back.
+    prompt_logprobs: int | None = None
+    prompt_lps: dict[int, TokenLogprob] = field(default_factory=dict)
+    prompt_lps_sent: bool = False
     forks: list[Task] = field(default_factory=list)
     fork_from: Task | None = None
     hold_at: int | None = None
@@ -274,8 +288,8 @@ class Scheduler:
                     self._claim_prefix(member)
 
     def _claim_prefix(self, task: Task) -> None:
-        if self.prefixes is None or task.replay is not None or task.prefilled:
-            return
+        if self.prefixes is None or task.replay is not None or task.prefilled or task.prompt_logprobs is not None:
+            return  # (a prompt's logprobs need every prompt row computed)
         # A source of forks keeps at least the token before its hold to prefill: the step that carries
         # the prefix is never the one its forks copy it in.
         match = self.prefixes.claim(task.prompt if task.hold_at is None else task.prompt[: task.hold_at])
@@ -409,11 +423,14 @@ class Scheduler:
                 n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
             # After a recovery the next input token is already known: do not sample again.
             last = start + n == len(feed) and task.last_token is None
+            in_prompt = task.prompt_logprobs is not None and start < len(task.prompt)
             entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
                                      positions=range(start, start + n), token_ids=feed[start : start + n],
                                      sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
                                      top_logprobs=task.top_logprobs if last else None,
-                                     all_rows=every_row))
+                                     all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
+                                     next_token=feed[start + n] if in_prompt and start + n < len(task.prompt)
+                                     else None))
             plan.append((task, n))
             budget -= n
             outputs -= n if every_row else int(last)
@@ -502,7 +519,7 @@ class Scheduler:
         if not ready:
             time.sleep(0.05)
 
-    def _emit(self, task: Task, token: int | Sampled) -> None:
+    def _emit(self, task: Task, token: int | Sampled | PromptLogprobs) -> None:
         """Hand a sampled token to its waiting handler — once the next step's frame has left.
 
         The handler's work (text, the client's stream) would otherwise wake up exactly when this
@@ -585,6 +602,8 @@ class Scheduler:
                 self._fail(task, exc)
             return
         for (task, n_prefill), out in zip(plan, response.outputs):
+            for i, logprob in enumerate(out.prompt_logprobs or ()):
+                task.prompt_lps[task.prefilled + 1 + i] = logprob
             task.prefilled += n_prefill
             task.fork_from = None  # a fork carried through the chain is a session like any other
             if task.hold_at is not None and task.prefilled > task.hold_at:
@@ -606,6 +625,11 @@ class Scheduler:
                 if task.draft_budget is not None:
                     task.draft_budget.record(task.drafted, accepted)
                 task.drafted = 0
+            if task.prompt_logprobs is not None and not task.prompt_lps_sent and not self._send_prompt_logprobs(task):
+                self._fail(task, RuntimeFailure(f"stage {response.final_stage_id} returned logprobs for "
+                                                f"{len(task.prompt_lps)} of the prompt's {len(task.prompt) - 1} "
+                                                f"tokens after the first"))
+                continue
             if task.top_logprobs is not None and (out.logprobs is None or len(out.logprobs) != len(tokens)):
                 self._fail(task, RuntimeFailure(f"stage {response.final_stage_id} returned "
                                                 f"{len(out.logprobs or ())} logprobs for {len(tokens)} tokens"))
@@ -614,6 +638,15 @@ class Scheduler:
             for token, logprob in zip(tokens, logprobs):
                 if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):
                     break
+
+    def _send_prompt_logprobs(self, task: Task) -> bool:
+        """Emit the prompt's logprobs ahead of its first sampled token; False if some are missing."""
+        found = [task.prompt_lps.get(p) for p in range(1, len(task.prompt))]
+        if any(lp is None for lp in found):
+            return False
+        task.prompt_lps_sent = True
+        self._emit(task, PromptLogprobs(tuple(task.prompt), (None, *found)))
+        return True
 
     def _take(self, task: Task, token: int, *, fed_now: bool, logprob: TokenLogprob | None = None) -> bool:
         """One sampled token of ``task``: emit it, or end the task; False once it ended."""

@@ -20,6 +20,7 @@ way round). Neither is ever held across a network call: the runtime makes none.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import json
 import threading
@@ -85,6 +86,10 @@ class BatchEntry:
     # A new session that starts as a copy of this live session's first positions[0] tokens (n
     # choices of one prompt: the prompt prefilled once).
     fork_of: str | None = None
+    # Final stage: each row's next token's log-probability (the next row's token; for the last row
+    # ``next_token``) and this many alternatives: a prompt's logprobs. Every row is an output.
+    prompt_logprobs: int | None = None
+    next_token: int | None = None
 
 
 MAX_TOP_LOGPROBS = 20
@@ -118,6 +123,8 @@ class EntryResult:
     token: int | None = None  # final stage: the sampled next token, when asked
     tokens: tuple[int, ...] | None = None  # final stage, verify: every row's sample up to the first rejection
     logprobs: tuple[TokenLogprob, ...] | None = None  # final stage, top_logprobs: one per sample
+    # final stage, prompt_logprobs: one per row with a next token (positions[0] + 1 on)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -401,7 +408,8 @@ class StageRuntime:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
             if e.sample:
                 (e.sampling or SamplingParams()).validate()
-            outputs += int(pos.shape[0]) if (e.all_rows or e.verify) else int(e.sample or e.want_logits)
+            every_row = e.all_rows or e.verify or e.prompt_logprobs is not None
+            outputs += int(pos.shape[0]) if every_row else int(e.sample or e.want_logits)
             if cfg.include_output and outputs > cfg.n_ubatch:
                 # llama.cpp's output buffer grows to the largest batch's outputs x n_vocab floats
                 raise InvalidRequestError(f"{where} brings the batch's output rows to {outputs}: at most "
@@ -412,6 +420,12 @@ class StageRuntime:
             if e.top_logprobs is not None and (not e.sample or not 0 <= e.top_logprobs <= MAX_TOP_LOGPROBS):
                 raise InvalidRequestError(f"{where}.top_logprobs={e.top_logprobs!r} must be in [0, {MAX_TOP_LOGPROBS}] "
                                           f"and needs sample_last")
+            if e.prompt_logprobs is not None:
+                if not cfg.include_output or not 0 <= e.prompt_logprobs <= MAX_TOP_LOGPROBS or tokens is None:
+                    raise InvalidRequestError(f"{where}.prompt_logprobs={e.prompt_logprobs!r} must be in "
+                                              f"[0, {MAX_TOP_LOGPROBS}], at the final stage, with the token_ids")
+                if e.next_token is not None and not 0 <= e.next_token < self.n_vocab:
+                    raise InvalidRequestError(f"{where}.next_token={e.next_token} is out of range [0, {self.n_vocab})")
             if e.verify and (not e.sample or tokens is None):
                 raise InvalidRequestError(f"{where}.verify needs sample and the token_ids it verifies")
             checked.append(_Checked(e, pos.astype(np.int32), tokens))
@@ -487,7 +501,7 @@ class StageRuntime:
                 self._tokens[offset:end] = c.tokens
             else:
                 self._embd[offset:end] = c.entry.hidden
-            if cfg.include_output and (c.entry.all_rows or c.entry.verify):
+            if cfg.include_output and (c.entry.all_rows or c.entry.verify or c.entry.prompt_logprobs is not None):
                 self._out[offset:end] = 1
             elif cfg.include_output:
                 self._out[offset:end] = 0
@@ -509,8 +523,10 @@ class StageRuntime:
         if rc != 0:
             raise RuntimeFailure(f"llama_decode failed with code {rc} on a batch of {offset} tokens")
         if cfg.include_output:
-            return [self._verify_result(checked[i], spans[i][0]) if checked[i].entry.verify
-                    else self._final_result(checked[i], spans[i][1] - 1) for i in range(len(checked))]
+            results = [self._verify_result(checked[i], spans[i][0]) if checked[i].entry.verify
+                       else self._final_result(checked[i], spans[i][1] - 1) for i in range(len(checked))]
+            return [dataclasses.replace(r, prompt_logprobs=self._prompt_logprobs(c, spans[i][0]))
+                    if c.entry.prompt_logprobs is not None else r for i, (c, r) in enumerate(zip(checked, results))]
         return self._inner_results(checked, spans, offset)
 
     def _inner_results(self, checked: list[_Checked], spans: dict[int, tuple[int, int]], total: int) -> list[EntryResult]:
@@ -552,6 +568,14 @@ class StageRuntime:
             if dist is not None:
                 logprobs = (_token_logprob(dist, token, e.top_logprobs),)
         return EntryResult(e.session_id, logits=logits, token=token, logprobs=logprobs)
+
+    def _prompt_logprobs(self, c: _Checked, first_row: int) -> tuple[TokenLogprob, ...]:
+        """Each row's next token under that row's distribution (the token it is followed by)."""
+        following = [int(t) for t in c.tokens[1:]]
+        if c.entry.next_token is not None:
+            following.append(int(c.entry.next_token))
+        return tuple(_token_logprob(self._log_softmax_row(first_row + i), token, c.entry.prompt_logprobs)
+                     for i, token in enumerate(following))
 
     def _log_softmax_row(self, row: int) -> np.ndarray:
         return log_softmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, row), shape=(self.n_vocab,)))

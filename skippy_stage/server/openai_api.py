@@ -53,8 +53,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from skippy_stage.errors import ConfigError, DownstreamError, InvalidFieldError, InvalidRequestError, SkippyError
 from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, Piece
-from skippy_stage.head.scheduler import Task
-from skippy_stage.model.runtime import MAX_TOP_LOGPROBS
+from skippy_stage.head.scheduler import PromptLogprobs, Task
+from skippy_stage.model.runtime import MAX_TOP_LOGPROBS, TokenLogprob
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, check_grammar_text
 from skippy_stage.security import Credentials
 from skippy_stage.stage.status import status_for
@@ -106,7 +106,7 @@ class OpenAIRequest:
                                                   f"{max_tokens_limit} ({limit_hint})")
         return GenerateSpec(prompt=self.prompt, messages=self.messages, max_tokens=max_tokens,
                             sampling=self.sampling, stop=self.stop, speculative=self.speculative,
-                            top_logprobs=self.top_logprobs)
+                            top_logprobs=self.top_logprobs, prompt_logprobs=self.top_logprobs if self.echo else None)
 
 
 def _json_kind(value: object) -> str:
@@ -304,13 +304,10 @@ def _response_format(value: object) -> str:
     return grammar
 
 
-def _echo(body: dict[str, Any], *, chat: bool, logprobs: bool) -> bool:
+def _echo(body: dict[str, Any], *, chat: bool) -> bool:
     echo = _bool_field(body, "echo")
     if echo and chat:
         raise InvalidFieldError("echo", "echo is a completions option; chat completions do not take it")
-    if echo and logprobs:
-        raise InvalidFieldError("echo", "echo with logprobs (the prompt tokens' log-probabilities) is not supported "
-                                        "yet: the final stage returns logprobs of sampled tokens only")
     return echo
 
 
@@ -362,7 +359,7 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                          speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs,
-                         echo=_echo(body, chat=chat, logprobs=top_logprobs is not None),
+                         echo=_echo(body, chat=chat),
                          n=_int_field(body, "n", low=1, high=MAX_CHOICES) or 1)
 
 
@@ -634,6 +631,12 @@ class _Endpoint:
         lps = [lp for piece in pieces for lp in piece.logprobs]
         if not lps:
             return None
+        return self._logprob_lists(lps, offsets)
+
+    def _logprob_lists(self, lps: list[TokenLogprob | None], offsets: _TextOffsets,
+                       tokens_of: list[int] | None = None) -> dict:
+        """The logprobs of ``lps`` (``tokens_of``: the token of each, for a None entry: the first of a
+        prompt, which nothing precedes)."""
         token_bytes = self.servicer.stage.runtime.tokenizer.token_bytes
 
         def text(token: int) -> str:
@@ -647,15 +650,33 @@ class _Endpoint:
                                  "bytes": list(token_bytes(lp.token)),
                                  "top_logprobs": [{"token": text(t), "logprob": num(v), "bytes": list(token_bytes(t))}
                                                   for t, v in lp.top]} for lp in lps]}
-        tokens, starts, top = [], [], []
-        for lp in lps:
-            starts.append(offsets.next(token_bytes(lp.token)))
-            tokens.append(text(lp.token))
+        tokens, values, starts, top = [], [], [], []
+        for i, lp in enumerate(lps):
+            token = lp.token if lp is not None else tokens_of[i]
+            starts.append(offsets.next(token_bytes(token)))
+            tokens.append(text(token))
+            values.append(None if lp is None else num(lp.logprob))
+            if lp is None:
+                top.append(None)
+                continue
             alternatives = {text(t): num(v) for t, v in lp.top}
             alternatives[tokens[-1]] = num(lp.logprob)
             top.append(alternatives)
-        return {"tokens": tokens, "token_logprobs": [num(lp.logprob) for lp in lps], "top_logprobs": top,
-                "text_offset": starts}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": starts}
+
+    def _prompt_logprobs(self, prompt: PromptLogprobs, offsets: _TextOffsets) -> dict:
+        """The echoed prompt's logprobs, as llama-cpp-python lists them: without BOS tokens, the first
+        token's null (OpenAI's convention)."""
+        bos = self.servicer.stage.runtime.tokenizer.bos_token
+        kept = [(t, lp) for t, lp in zip(prompt.tokens, prompt.logprobs) if t != bos]
+        lps = [None, *(lp for _, lp in kept[1:])] if kept else []
+        return self._logprob_lists(lps, offsets, [t for t, _ in kept])
+
+    @staticmethod
+    def _joined(first: dict | None, then: dict | None) -> dict | None:
+        if first is None or then is None:
+            return first or then
+        return {key: first[key] + then[key] for key in first}
 
     async def handle(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -688,12 +709,15 @@ class _Endpoint:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         pieces: list[list[Piece]] = [[] for _ in range(parsed.n)]
         finishes: dict[int, Finish] = {}
+        prompt_lps: PromptLogprobs | None = None
         try:
             item = first
             while item is not None:
                 index, event = item
                 if isinstance(event, Piece):
                     pieces[index].append(event)
+                elif isinstance(event, PromptLogprobs):
+                    prompt_lps = event
                 else:
                     finishes[index] = event
                     if len(finishes) == parsed.n:
@@ -711,7 +735,11 @@ class _Endpoint:
         prompt = parsed.prompt or ""
         choices = []
         for index, (done, got) in enumerate(zip(ends, pieces)):
-            logprobs = self._logprobs(got, _TextOffsets(len(prompt))) if parsed.top_logprobs is not None else None
+            logprobs = None
+            if parsed.top_logprobs is not None:
+                offsets = _TextOffsets(0 if parsed.echo else len(prompt))
+                echoed = self._prompt_logprobs(prompt_lps, offsets) if parsed.echo and prompt_lps else None
+                logprobs = self._joined(echoed, self._logprobs(got, offsets))
             text = "".join(piece.text for piece in got)
             choices.append(self._choice(index, prompt + text if parsed.echo else text, done.reason,
                                         logprobs=logprobs))
@@ -724,19 +752,31 @@ class _Endpoint:
         if parsed.include_usage:
             chunk["usage"] = None
         try:
+            echo_lps = parsed.echo and parsed.top_logprobs is not None
+            # The echoed prompt's logprobs come with its first choice's events (the others' may come first)
+            early: list[tuple[int, Piece | Finish | PromptLogprobs]] = []
+            item = first
+            while echo_lps and item is not None and not isinstance(item[1], PromptLogprobs):
+                early.append(item)
+                item = await generation.next()
+            prompt_lps = item[1] if echo_lps and item is not None else None
+            if echo_lps and item is not None:
+                item = early.pop(0) if early else await generation.next()
+            offsets = [_TextOffsets(0 if parsed.echo else len(parsed.prompt or "")) for _ in range(parsed.n)]
             if first is not None:
                 for index in range(parsed.n):
                     if self.chat:
                         yield _sse({**chunk, "choices": [self._choice(index, None, None,
                                                                       delta={"role": "assistant", "content": ""})]})
                     if parsed.echo and parsed.prompt:
-                        yield _sse({**chunk, "choices": [self._choice(index, parsed.prompt, None)]})
-            offsets = [_TextOffsets(len(parsed.prompt or "")) for _ in range(parsed.n)]
+                        logprobs = self._prompt_logprobs(prompt_lps, offsets[index]) if prompt_lps else None
+                        yield _sse({**chunk, "choices": [self._choice(index, parsed.prompt, None, logprobs=logprobs)]})
             finishes: dict[int, Finish] = {}
-            item = first
             while item is not None:
                 index, event = item
-                if isinstance(event, Piece):
+                if isinstance(event, PromptLogprobs):
+                    pass
+                elif isinstance(event, Piece):
                     if event.text or event.logprobs:
                         delta = {"content": event.text} if self.chat else None
                         logprobs = (self._logprobs([event], offsets[index]) if parsed.top_logprobs is not None
@@ -749,7 +789,7 @@ class _Endpoint:
                                                                   delta={} if self.chat else None)]})
                     if len(finishes) == parsed.n:
                         break
-                item = await generation.next()
+                item = early.pop(0) if early else await generation.next()
             if len(finishes) == parsed.n:
                 ends = [finishes[i] for i in range(parsed.n)]
                 self._done(ends, started)

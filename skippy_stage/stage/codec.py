@@ -115,6 +115,8 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         all_rows=e.all_rows,
         top_logprobs=e.top_logprobs if e.HasField("top_logprobs") else None,
         fork_of=e.fork_of or None,
+        prompt_logprobs=e.prompt_logprobs if e.HasField("prompt_logprobs") else None,
+        next_token=e.next_token if e.HasField("next_token") else None,
     )
 
 
@@ -132,6 +134,10 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
         msg.top_logprobs = e.top_logprobs
     if e.fork_of is not None:
         msg.fork_of = e.fork_of
+    if e.prompt_logprobs is not None:
+        msg.prompt_logprobs = e.prompt_logprobs
+    if e.next_token is not None:
+        msg.next_token = e.next_token
     return msg
 
 
@@ -156,9 +162,21 @@ def outputs_from_pb(msg: pb.IterationBatchResponse) -> Outputs:
     return Outputs([Output(o.session_id, o.token if o.has_token else None,
                            np.array(o.logits, dtype=np.float32) if len(o.logits) else None,
                            tuple(o.tokens) if len(o.tokens) else None,
-                           tuple(TokenLogprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs)))
-                                 for lp in o.logprobs) if len(o.logprobs) else None) for o in msg.outputs],
+                           _logprobs_from_pb(o.logprobs), _logprobs_from_pb(o.prompt_logprobs))
+                    for o in msg.outputs],
                    msg.final_stage_id, wire=msg)
+
+
+def _logprobs_from_pb(items) -> tuple[TokenLogprob, ...] | None:
+    if not len(items):
+        return None
+    return tuple(TokenLogprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs))) for lp in items)
+
+
+def _logprobs_to_pb(items: tuple[TokenLogprob, ...] | None, into) -> None:
+    for lp in items or ():
+        into.add(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
+                 top_logprobs=[v for _, v in lp.top])
 
 
 def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
@@ -174,9 +192,8 @@ def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
             out.logits.extend(o.logits.tolist())
         if o.tokens is not None:
             out.tokens.extend(o.tokens)
-        for lp in o.logprobs or ():
-            out.logprobs.add(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
-                             top_logprobs=[v for _, v in lp.top])
+        _logprobs_to_pb(o.logprobs, out.logprobs)
+        _logprobs_to_pb(o.prompt_logprobs, out.prompt_logprobs)
         msgs.append(out)
     return pb.IterationBatchResponse(outputs=msgs, final_stage_id=outputs.final_stage_id)
 

@@ -53,6 +53,9 @@ class StepEntry:
     top_logprobs: int | None = None  # final stage: logprobs of each sample and this many alternatives
     # A new session starting as a copy of this live one's first positions[0] tokens (every stage).
     fork_of: str | None = None
+    # Final stage: each row's next token's logprob and this many alternatives (a prompt's logprobs).
+    prompt_logprobs: int | None = None
+    next_token: int | None = None  # with prompt_logprobs: the token after the last position
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Output:
     logits: np.ndarray | None = None
     tokens: tuple[int, ...] | None = None  # a verify entry's samples (``token`` is the last)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per sample, when asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per row with a next token, when asked
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,8 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             all_rows=(e.all_rows or e.verify) and shape.include_output,
             top_logprobs=e.top_logprobs if shape.include_output and e.sample_last else None,
             fork_of=e.fork_of,
+            prompt_logprobs=e.prompt_logprobs if shape.include_output else None,
+            next_token=e.next_token if shape.include_output else None,
         ))
     return entries
 
@@ -231,4 +237,5 @@ def forward_step(step: Step, results: Sequence[EntryResult], shape: StageShape) 
 
 
 def outputs_from_results(results: Sequence[EntryResult], stage_id: str) -> Outputs:
-    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens, r.logprobs) for r in results], stage_id)
+    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens, r.logprobs, r.prompt_logprobs)
+                    for r in results], stage_id)

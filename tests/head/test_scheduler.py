@@ -19,7 +19,8 @@ import pytest
 
 from skippy_stage.errors import CapacityError, DownstreamError, PrefixMissError, SkippyError
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.scheduler import End, Failed, Scheduler, SchedulerLimits, Task
+from skippy_stage.head.scheduler import End, Failed, PromptLogprobs, Scheduler, SchedulerLimits, Task
+from skippy_stage.model.runtime import TokenLogprob
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
 
@@ -44,6 +45,7 @@ class FakeChain:
         self.eog_at = eog_at or {}
         self.delay_s = delay_s
         self.fail = fail
+        self.drop_prompt_logprobs = False  # a final stage that does not return what was asked
         self.in_flight = 0
         self.max_in_flight = 0
         self._arrived: queue.SimpleQueue[Step] = queue.SimpleQueue()
@@ -72,11 +74,16 @@ class FakeChain:
                 self.in_flight -= 1
 
     def _output(self, entry: StepEntry) -> Output:
+        prompt_lps = None
+        if entry.prompt_logprobs is not None and not self.drop_prompt_logprobs:
+            # row i: the token at the next position, its "logprob" minus that position
+            following = [*entry.token_ids[1:], *([] if entry.next_token is None else [entry.next_token])]
+            prompt_lps = tuple(TokenLogprob(t, -float(entry.positions[0] + 1 + i), ()) for i, t in enumerate(following))
         if not entry.sample_last:
-            return Output(entry.session_id)
+            return Output(entry.session_id, prompt_logprobs=prompt_lps)
         position = entry.positions[-1] + 1
         return Output(entry.session_id, EOG if self.eog_at.get(entry.session_id) == position
-                      else token_at(entry.session_id, position))
+                      else token_at(entry.session_id, position), prompt_logprobs=prompt_lps)
 
     def drop(self, session_id: str) -> None:
         with self._lock:
@@ -656,3 +663,35 @@ def test_a_failed_fork_step_recovers_every_choice_by_prefilling_it_alone(make_sc
     after = [row for r in chain.requests[chain.requests.index(failed[0]) + 1:] for row in family_layout(r)]
     assert all(fork_of is None for _, _, fork_of in after)
     assert {(len(positions), positions[0]) for _, positions, _ in after if positions[0] == 0} == {(3, 0)}
+
+
+# -- a prompt's logprobs -------------------------------------------------------------
+
+
+def test_a_prompts_logprobs_are_asked_chunk_by_chunk_and_arrive_before_the_first_token(make_scheduler):
+    """Each prompt chunk asks for its rows' logprobs and names the next chunk's first token; the
+    task's first event is the prompt's tokens with a logprob for each after the first, by position."""
+    chain = FakeChain()
+    scheduler = make_scheduler(chain, n_ubatch=4)
+    task = make_task("a", 6, 2)
+    task.prompt_logprobs = 1
+    scheduler.submit(task)
+    event = task.events.get(timeout=WAIT_S)
+    assert isinstance(event, PromptLogprobs)
+    assert event.tokens == tuple(task.prompt) and event.logprobs[0] is None
+    assert [(lp.token, lp.logprob) for lp in event.logprobs[1:]] == [(task.prompt[p], -float(p)) for p in range(1, 6)]
+    assert outcome(task) == (expected_tokens(task), End("length"))
+    prefills = [e for r in chain.requests for e in r.entries if e.phase == PHASE_PREFILL]
+    assert [(list(e.positions), e.prompt_logprobs, e.next_token) for e in prefills] == [
+        ([0, 1, 2, 3], 1, task.prompt[4]), ([4, 5], 1, None)]
+
+
+def test_a_final_stage_that_drops_a_prompts_logprobs_fails_the_task_naming_them(make_scheduler):
+    chain = FakeChain()
+    chain.drop_prompt_logprobs = True
+    scheduler = make_scheduler(chain)
+    task = make_task("a", 4, 2)
+    task.prompt_logprobs = 0
+    scheduler.submit(task)
+    tokens, end = outcome(task)
+    assert tokens == [] and isinstance(end, Failed) and "0 of the prompt's 3 tokens" in str(end.error)

@@ -539,3 +539,38 @@ def test_a_fork_of_what_cannot_be_copied_is_refused_naming_fork_of(chain, head, 
             if stage.lanes.lane_of(session_id) is not None:
                 stage.drop_session(session_id)
     assert_serves(chain, prompt)
+
+
+# -- a prompt's logprobs -------------------------------------------------------------
+
+
+def prompt_logprobs_of(chain: Chain, session_id: str, start: int, tokens: list[int], next_token: int | None):
+    """One prompt chunk through both stages asking the final stage for its rows' logprobs."""
+    positions = np.arange(start, start + len(tokens))
+    (inner,) = chain.stages[0].run_batch([BatchEntry(session_id, positions, token_ids=tokens)])
+    (out,) = chain.stages[1].run_batch([BatchEntry(session_id, positions, token_ids=tokens, hidden=inner.hidden,
+                                                   prompt_logprobs=3, next_token=next_token)])
+    return out.prompt_logprobs
+
+
+def test_a_prompts_logprobs_come_row_by_row_and_across_chunks_through_next_token(chain, head, prompt):
+    """Row i gives the log-probability of the token that follows it, with the 3 most likely; the
+    last row of a chunk needs the next chunk's first token (``next_token``); chunked, the values
+    are those of the prompt in one batch (float tolerance: other batch shapes)."""
+    whole = prompt_logprobs_of(chain, "whole", 0, prompt, None)
+    cut = len(prompt) // 2
+    first = prompt_logprobs_of(chain, "chunked", 0, prompt[:cut], prompt[cut])
+    second = prompt_logprobs_of(chain, "chunked", cut, prompt[cut:], None)
+    assert [lp.token for lp in whole] == prompt[1:] == [lp.token for lp in first + second]
+    for a, b in zip(whole, first + second):
+        assert abs(a.logprob - b.logprob) < 1e-3 and len(a.top) == 3
+        assert a.top[0][1] >= a.logprob - 1e-6
+    for session_id in ("whole", "chunked"):
+        chain.drop(session_id)
+
+
+@pytest.mark.parametrize(("field", "value"), [("prompt_logprobs", 21), ("prompt_logprobs", -1), ("next_token", N_VOCAB)])
+def test_bad_prompt_logprobs_are_refused_naming_the_field(chain, tail, prompt, field, value):
+    entry = BatchEntry("s", np.arange(len(prompt)), token_ids=prompt, hidden=rows(len(prompt)),
+                       **{"prompt_logprobs": 2, field: value})
+    refuse(tail, [entry], InvalidRequestError, field)

@@ -24,6 +24,7 @@ import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import grpc
+import numpy as np
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -410,10 +411,44 @@ def test_echo_returns_the_prompt_before_the_completion_as_llama_cpp_python_does(
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="m", prompt=prompt, max_tokens=8, temperature=0, echo=True, stream=True) if c.choices)
     assert streamed == echoed.choices[0].text
-    for body, why in (({"echo": True, "logprobs": 2}, "not supported yet"),):
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.completions.create(model="m", prompt=prompt, max_tokens=2, extra_body=body)
-        assert refused.value.body["param"] == "echo" and why in refused.value.body["message"]
+
+
+def test_echo_with_logprobs_gives_every_prompt_token_its_log_probability_given_the_tokens_before(smollm2, client):
+    """OpenAI's echo + logprobs: the prompt's tokens come first, the first with null (nothing precedes
+    it), each other with log P(token | the tokens before) and the N most likely tokens at its place,
+    from the same full-vocabulary logits as a generated token's; then the completion's, as without
+    echo, the text offsets counted from the prompt's start. The reference is llama-cpp-python's own
+    logits for every row (``logits_all``): its ``create_completion(echo=True, logprobs=N)`` pairs row i
+    with token i on a model without BOS, one place off, so the rows are aligned here."""
+    prompt = "The capital of France is"
+    llm = reference_llama(smollm2, n_ctx=2048, verbose=False, logits_all=True)
+    try:
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        llm.eval(tokens)
+        rows = [llm.logits_to_logprobs(row) for row in llm.scores[: len(tokens)]]
+        best = [{llm.detokenize([int(t)]).decode("utf-8", errors="ignore") for t in np.argsort(-row)[:2]}
+                for row in rows]
+        plain = llm.create_completion(prompt, max_tokens=4, temperature=0, logprobs=2)["choices"][0]["logprobs"]
+    finally:
+        llm.close()
+    got = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                    logprobs=2).choices[0]
+    lp = got.logprobs
+    n = len(tokens)
+    assert "".join(lp.tokens[:n]) == prompt and got.text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, n):
+        assert abs(lp.token_logprobs[i] - float(rows[i - 1][tokens[i]])) < 1e-3
+        assert set(lp.top_logprobs[i]) == best[i - 1] | {lp.tokens[i]}
+    assert lp.tokens[n:] == plain["tokens"]
+    assert all(abs(a - b) < 1e-3 for a, b in zip(lp.token_logprobs[n:], plain["token_logprobs"]))
+    assert lp.text_offset[:n] == [len("".join(lp.tokens[:i])) for i in range(n)]
+    assert lp.text_offset[n:] == plain["text_offset"]
+    streamed = [c.choices[0] for c in client.completions.create(
+        model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2, stream=True) if c.choices]
+    assert streamed[0].text == prompt
+    assert sum((c.logprobs.tokens for c in streamed if c.logprobs), []) == lp.tokens
+    assert sum((c.logprobs.text_offset for c in streamed if c.logprobs), []) == lp.text_offset
 
 
 # -- n choices -------------------------------------------------------------------------
