@@ -30,6 +30,7 @@ import structlog
 from skippy_stage.errors import (
     CapacityError,
     DownstreamError,
+    InvalidFieldError,
     PrefixMissError,
     RuntimeFailure,
     SkippyError,
@@ -214,8 +215,13 @@ class Scheduler:
         once it has prefilled all but the prompt's last token, so the prompt is prefilled once."""
         family = [task, *(forks or [])]
         if len(family) > self.limits.lane_count:
-            raise CapacityError(f"{len(family)} choices need as many lanes at once; lane_count="
-                                f"{self.limits.lane_count}")
+            raise InvalidFieldError("n", f"n={len(family)} choices need as many lanes at once; this pipeline has "
+                                         f"lane_count={self.limits.lane_count}")
+        need = sum(member.reserve(self.limits.max_context) for member in family)
+        if len(family) > 1 and need > self.limits.kv_pool_tokens:
+            raise InvalidFieldError("n", f"n={len(family)} choices of a {len(task.prompt)}-token prompt with "
+                                         f"max_tokens={task.max_tokens} need {need} KV cells at once; this pipeline "
+                                         f"holds kv_pool_tokens={self.limits.kv_pool_tokens}: lower n or max_tokens")
         task.forks = family[1:]
         if task.forks and share_prompt and len(task.prompt) > 1:
             task.hold_at = len(task.prompt) - 1
@@ -226,7 +232,8 @@ class Scheduler:
                 raise CapacityError("the head is shutting down; retry on another replica")
             # A free lane admits at once; only sessions that must wait count against the queue.
             free_lanes = max(0, self.limits.lane_count - sum(len(g) for g in self._groups))
-            if len(self._waiting) >= self.limits.max_queue + free_lanes:
+            waiting = sum(1 + len(t.forks) for t in self._waiting)
+            if waiting + len(family) - 1 >= self.limits.max_queue + free_lanes:
                 raise self._capacity(f"admission queue is full ({self.limits.max_queue} sessions waiting for a lane)")
             self._waiting.append(task)
             self._cond.notify_all()
@@ -402,12 +409,14 @@ class Scheduler:
             feed = task.to_feed
             hold = self._hold(task)
             remaining = (len(feed) if hold is None else hold) - task.prefilled
-            # a reference computing logits for every row (speculation, logprobs) has these shapes
-            every_row = task.drafter is not None or task.top_logprobs is not None
+            # a reference computing logits for every row (speculation, logprobs) has these shapes; so
+            # do the prompt's chunks when its logprobs are asked
+            every_row = task.drafter is not None or task.top_logprobs is not None \
+                or (task.prompt_logprobs is not None and task.prefilled < len(task.prompt))
             if task.recovering is not None or budget <= 0 or outputs <= 0:
                 continue
             if hold is not None and remaining == 0:
-                taken = self._fork_entries(task, hold, budget, outputs, entries, plan)
+                taken = self._fork_entries(task, hold, budget, outputs, entries, plan, batch)
                 budget -= taken
                 outputs -= taken
                 continue
@@ -444,7 +453,7 @@ class Scheduler:
         if source is None:
             return None
         if (source.cancelled or source.recovering is not None or source.replay is not None or source.hold_at is None
-                or task.recovering is not None or task.replay is not None):
+                or task.cancelled or task.recovering is not None or task.replay is not None):
             task.fork_from = None
             return None
         return source
@@ -457,11 +466,11 @@ class Scheduler:
         return task.hold_at
 
     def _fork_entries(self, source: Task, hold: int, budget: int, outputs: int, entries: list[StepEntry],
-                      plan: list[tuple[Task, int]]) -> int:
-        """The step that feeds the prompt's last token to ``source`` and to each fork, which starts as
-        a copy of ``source``'s KV up to it: one row and one sample each. Returns the rows taken (0:
-        not this step, the batch is too full)."""
-        family = [source, *(f for f in source.forks if self._source(f) is source)]
+                      plan: list[tuple[Task, int]], batch: list[Task]) -> int:
+        """The step that feeds the prompt's last token to ``source`` and to each fork of this step's
+        batch (a freed one is in no batch), which starts as a copy of ``source``'s KV up to it: one row
+        and one sample each. Returns the rows taken (0: not this step, the batch is too full)."""
+        family = [source, *(f for f in source.forks if f in batch and self._source(f) is source)]
         if len(family) > min(budget, outputs):
             return 0
         for member in family:

@@ -410,14 +410,15 @@ class LaneTable:
     def _bind_fork_locked(self, a: Admission) -> None:
         lane = self._take_lane()
         source = self._sessions[a.fork_of]
+        why = "a sliding window already past them"
         try:
             copied = bool(self._fork(source.lane, lane, a.start_pos))
-        except Exception:  # noqa: BLE001 - a failed copy leaves the lane in doubt: it is reset below
-            copied = False
+        except Exception as exc:  # noqa: BLE001 - a failed copy leaves the lane in doubt: it is reset below
+            copied, why = False, repr(exc)
         if not copied:
             self._place_locked(lane, clean=self._try_reset(lane))
             raise SessionStateError(f"fork_of={a.fork_of!r}: its first {a.start_pos} tokens could not be copied on "
-                                    f"{self.owner} (a sliding window already past them)")
+                                    f"{self.owner} ({why})")
         self._sessions[a.session_id] = SessionLane(a.session_id, lane, a.start_pos)
 
     def _bind_prefix_locked(self, a: Admission) -> None:

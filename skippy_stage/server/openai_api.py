@@ -50,7 +50,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skippy_stage.errors import ConfigError, DownstreamError, InvalidFieldError, InvalidRequestError, SkippyError
+from skippy_stage.errors import (
+    ConfigError,
+    DownstreamError,
+    InvalidFieldError,
+    InvalidRequestError,
+    RuntimeFailure,
+    SkippyError,
+)
 from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, Piece
 from skippy_stage.head.scheduler import PromptLogprobs, Task
@@ -483,9 +490,15 @@ class _Generation:
             self._tasks = tasks
         if self._gone.is_set():
             self.cancel()
-        for index, task in enumerate(tasks[1:], 1):
-            threading.Thread(target=self._drive, args=(generator, spec, index, task), name="openai-generate",
-                             daemon=True).start()
+        try:
+            for index, task in enumerate(tasks[1:], 1):
+                threading.Thread(target=self._drive, args=(generator, spec, index, task), name="openai-generate",
+                                 daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: end the whole request, free every choice
+            self.cancel()
+            self._live.discard(self)
+            self._post((0, RuntimeFailure(f"the head could not start a thread per choice: {exc}")))
+            return
         self._drive(generator, spec, 0, tasks[0])
 
     def _drive(self, generator: Generator, spec: GenerateSpec, index: int, task: Task) -> None:

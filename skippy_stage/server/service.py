@@ -22,6 +22,7 @@ import structlog
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
 from skippy_stage.head.drafting import Drafters, SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, load_drafters
+from skippy_stage.model.runtime import MAX_TOP_LOGPROBS
 from skippy_stage.stage import codec
 from skippy_stage.stage.downstream import FAILED_STAGE_KEY
 from skippy_stage.stage.stage import Stage
@@ -261,7 +262,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 else:
                     if first_token_s is None:
                         first_token_s = time.perf_counter() - started
-                    yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids)
+                    message = pb.GenerateResponse(text=event.text, token_ids=event.token_ids)
+                    codec.logprobs_to_pb(event.logprobs, message.logprobs)
+                    yield message
         except SkippyError as exc:
             code, _ = status_for(exc)
             self.stage.metrics.requests(rpc="Generate", code=code.name).inc()
@@ -285,6 +288,8 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
     for i, m in enumerate(req.messages):
         if m.role not in ("system", "user", "assistant", "tool"):
             raise InvalidRequestError(f"messages[{i}].role={m.role!r} must be system, user, assistant or tool")
+    if req.HasField("top_logprobs") and req.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs={req.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
     sampling = codec.sampling_from_pb(req.sampling) if req.HasField("sampling") else None
     speculative = None
     if req.HasField("speculative"):
@@ -298,4 +303,5 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
         sampling=check_sampling(sampling, "sampling"),
         stop=tuple(req.stop),
         speculative=speculative,
+        top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
     )

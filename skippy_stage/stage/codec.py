@@ -173,7 +173,7 @@ def _logprobs_from_pb(items) -> tuple[TokenLogprob, ...] | None:
     return tuple(TokenLogprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs))) for lp in items)
 
 
-def _logprobs_to_pb(items: tuple[TokenLogprob, ...] | None, into) -> None:
+def logprobs_to_pb(items: tuple[TokenLogprob, ...] | None, into) -> None:
     for lp in items or ():
         into.add(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
                  top_logprobs=[v for _, v in lp.top])
@@ -192,8 +192,8 @@ def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
             out.logits.extend(o.logits.tolist())
         if o.tokens is not None:
             out.tokens.extend(o.tokens)
-        _logprobs_to_pb(o.logprobs, out.logprobs)
-        _logprobs_to_pb(o.prompt_logprobs, out.prompt_logprobs)
+        logprobs_to_pb(o.logprobs, out.logprobs)
+        logprobs_to_pb(o.prompt_logprobs, out.prompt_logprobs)
         msgs.append(out)
     return pb.IterationBatchResponse(outputs=msgs, final_stage_id=outputs.final_stage_id)
 

@@ -492,20 +492,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop", "speculative")
+    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop", "speculative", "top_logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
     sampling: SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     speculative: Speculative
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Speculative(_message.Message):
     __slots__ = ("drafter", "k", "ngram", "adaptive")
@@ -520,7 +522,7 @@ class Speculative(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., ngram: _Optional[int] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id", "cached_tokens")
+    __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id", "cached_tokens", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -529,6 +531,7 @@ class GenerateResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     done: bool
@@ -537,4 +540,5 @@ class GenerateResponse(_message.Message):
     completion_tokens: int
     session_id: str
     cached_tokens: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...

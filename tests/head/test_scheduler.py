@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from skippy_stage.errors import CapacityError, DownstreamError, PrefixMissError, SkippyError
+from skippy_stage.errors import CapacityError, DownstreamError, InvalidFieldError, PrefixMissError, SkippyError
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import End, Failed, PromptLogprobs, Scheduler, SchedulerLimits, Task
 from skippy_stage.model.runtime import TokenLogprob
@@ -611,8 +611,29 @@ def test_a_family_is_admitted_whole_or_waits_and_more_choices_than_lanes_are_ref
         assert outcome(task) == (expected_tokens(task), End("length"))
     family = {"a", "b", "c"}
     assert [s & family for s in chain.sessions_per_request() if s & family] == [{"a"}, family]
-    with pytest.raises(CapacityError, match="4 choices"):
+    with pytest.raises(InvalidFieldError, match="n=4 choices need as many lanes"):
         scheduler.submit(make_task("x", 3, 1), [make_task(f"x{i}", 3, 1) for i in range(3)])
+
+
+def test_a_family_whose_kv_cannot_fit_the_pool_at_once_is_refused_naming_n(make_scheduler):
+    scheduler = make_scheduler(FakeChain(), kv_pool_tokens=100, max_context=100)
+    with pytest.raises(InvalidFieldError, match="need 120 KV cells at once; this pipeline holds kv_pool_tokens=100"):
+        scheduler.submit(make_task("x", 10, 50), [make_task("y", 10, 50)])
+
+
+def test_a_fork_cancelled_while_its_source_holds_is_never_forked(make_scheduler):
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, n_ubatch=2)
+    a, b, c = make_task("a", 5, 1), make_task("b", 5, 1), make_task("c", 5, 1)
+    scheduler.submit(a, [b, c])
+    chain.next_request()  # a's first chunk is on the wire
+    b.cancel()
+    chain.gate.set()
+    for task in (a, c):
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    assert "b" not in {e.session_id for r in chain.requests for e in r.entries}
+    assert ("c", [4], "a") in [row for r in chain.requests for row in family_layout(r)]
 
 
 def test_forks_of_a_source_cancelled_in_the_queue_still_run_prefilling_for_themselves(make_scheduler):

@@ -462,7 +462,7 @@ def forking(smollm2, start_pipeline):
     """A pipeline whose every stage serves its metrics, to see where KV was copied."""
     metrics = free_ports("127.0.0.1", len(RANGES))
     pipeline, base_url = start_api(start_pipeline, smollm2, metrics_port=metrics)
-    yield client_for(base_url), [f"http://127.0.0.1:{port}/metrics" for port in metrics]
+    yield client_for(base_url), [f"http://127.0.0.1:{port}/metrics" for port in metrics], pipeline.head_endpoint
     pipeline.stop()
 
 
@@ -480,7 +480,7 @@ def test_n_choices_with_a_seed_are_reproducible_and_their_prompt_is_prefilled_on
     KV on every stage (2 forks, 2 x (prompt - 1) tokens copied, per stage), and the batches carry far
     fewer tokens than three prefills would. Choice i samples with seed + i: the same request gives the
     same three texts, and they differ from each other."""
-    client, metrics = forking
+    client, metrics, _ = forking
     before = [(scrape(m, "skippy_session_forks_total"), scrape(m, "skippy_fork_tokens_copied_total"),
                scrape(m, "skippy_batch_tokens_sum")) for m in metrics]
     ask = dict(model="m", prompt=LONG_PROMPT, max_tokens=6, temperature=1.0, seed=1234, n=3)
@@ -503,7 +503,7 @@ def test_n_choices_with_a_seed_are_reproducible_and_their_prompt_is_prefilled_on
 def test_n_choices_stream_by_index_and_greedy_choices_agree(forking):
     """A stream's chunks name their choice; gathered by index they are the non-streaming texts.
     At temperature 0 every choice is the same text (their first tokens come from identical rows)."""
-    client, _ = forking
+    client, _, _ = forking
     ask = dict(model="m", messages=CHATS[0], max_tokens=8, temperature=0.9, seed=7, n=2)
     whole = client.chat.completions.create(**ask)
     parts: dict[int, str] = {0: "", 1: ""}
@@ -517,3 +517,23 @@ def test_n_choices_stream_by_index_and_greedy_choices_agree(forking):
     assert reasons == {c.index: c.finish_reason for c in whole.choices}
     greedy = client.chat.completions.create(**{**ask, "temperature": 0, "n": 3})
     assert len({c.message.content for c in greedy.choices}) == 1
+
+
+def test_grpc_generate_returns_each_tokens_logprobs_as_the_openai_api_does(forking):
+    from skippy_stage.v1 import stage_pb2 as pb
+    from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
+
+    client, _, endpoint = forking
+    prompt = "The capital of France is"
+    want = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0, logprobs=2).choices[0]
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        messages = list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=6, top_logprobs=2,
+                                                         sampling=pb.SamplingParams(temperature=0)), timeout=60))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=2, top_logprobs=21), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs=21" in refused.value.details()
+    logprobs = [lp for m in messages for lp in m.logprobs]
+    assert [lp.token for lp in logprobs] == [t for m in messages for t in m.token_ids]
+    assert all(len(lp.top_tokens) == 2 for lp in logprobs)
+    assert [round(lp.logprob, 4) for lp in logprobs] == [round(v, 4) for v in want.logprobs.token_logprobs]
