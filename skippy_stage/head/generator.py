@@ -56,6 +56,9 @@ class GenerateSpec:
     speculative: SpeculativeRequest | None = None
     top_logprobs: int | None = None  # each token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the prompt tokens' too (a PromptLogprobs event before the pieces)
+    # max_tokens was not asked for (it is the session's size): n > 1 choices then each take at most
+    # their share of the KV pool, rather than being refused for not fitting at once
+    max_tokens_fit: bool = False
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -230,6 +233,12 @@ class Generator:
         if not 1 <= n <= self.stage.config.lane_count:
             raise InvalidFieldError("n", f"n={n} choices need as many lanes at once: between 1 and this "
                                          f"pipeline's lane_count={self.stage.config.lane_count}")
+        max_tokens = spec.max_tokens
+        if n > 1 and spec.max_tokens_fit:
+            max_tokens = min(max_tokens, self.runtime.n_ctx // n - len(prompt))
+            if max_tokens < 1:
+                raise InvalidFieldError("n", f"n={n} choices of a {len(prompt)}-token prompt do not fit this "
+                                             f"pipeline's {self.runtime.n_ctx} KV cells at once: lower n")
         sampling = spec.sampling
         if sampling.grammar:
             # refused here, before any stage computes; it constrains the generated tokens only
@@ -246,7 +255,7 @@ class Generator:
             seeded = sampling if sampling.seed == RANDOM_SEED or i == 0 else \
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % RANDOM_SEED)
             # the choices share a prompt: its logprobs come with the first
-            task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=seeded, max_tokens=spec.max_tokens,
+            task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=seeded, max_tokens=max_tokens,
                         top_logprobs=spec.top_logprobs, prompt_logprobs=spec.prompt_logprobs if i == 0 else None)
             if speculation.enabled:
                 task.drafter = self.drafters.for_spec(speculation)

@@ -113,7 +113,8 @@ class OpenAIRequest:
                                                   f"{max_tokens_limit} ({limit_hint})")
         return GenerateSpec(prompt=self.prompt, messages=self.messages, max_tokens=max_tokens,
                             sampling=self.sampling, stop=self.stop, speculative=self.speculative,
-                            top_logprobs=self.top_logprobs, prompt_logprobs=self.top_logprobs if self.echo else None)
+                            top_logprobs=self.top_logprobs, prompt_logprobs=self.top_logprobs if self.echo else None,
+                            max_tokens_fit=self.max_tokens is None)
 
 
 def _json_kind(value: object) -> str:

@@ -42,3 +42,48 @@ def test_flush_releases_what_was_held_when_the_generation_ends():
     scanner = StopScanner(("STOP",))
     assert scanner.feed("wait ST") == "wait "
     assert scanner.flush() == "ST"
+
+
+# -- n choices in one KV pool ----------------------------------------------------------
+
+
+def test_n_choices_without_max_tokens_share_a_unified_kv_pool_instead_of_being_refused(smollm2, slice_cache):
+    """In a unified KV pool one session may hold every cell, so n choices of "as many tokens as
+    fit" could never be admitted together: each takes its share of the pool instead. Asked for
+    explicitly, a max_tokens that cannot fit n times is refused naming n."""
+    from dataclasses import replace
+
+    import pytest
+    from support.chain import split_configs
+
+    from skippy_stage.errors import InvalidFieldError
+    from skippy_stage.head.generator import GenerateSpec, Generator, Piece
+    from skippy_stage.model.sampling import SamplingParams
+    from skippy_stage.stage.stage import Stage
+
+    stages = []
+    for cfg in split_configs(smollm2, [(0, 15), (15, 30)], slice_cache, n_threads=1, kv_unified=True):
+        stage = Stage(replace(cfg, ctx_size=256, lane_count=2), max_message_bytes=cfg.max_message_bytes)
+        stage.load()
+        stages.append(stage)
+    stages[0].connect_local(stages[1])
+    generator = Generator(stages[0])
+    try:
+        assert generator.max_context == 256
+        spec = GenerateSpec(prompt="The capital of France is", messages=(), max_tokens=256,
+                            sampling=SamplingParams(temperature=0), stop=(), max_tokens_fit=True)
+        tasks = generator.start(spec, 2)
+        prompt = len(tasks[0].prompt)
+        assert [t.max_tokens for t in tasks] == [128 - prompt] * 2
+        texts = []
+        for task in tasks:
+            pieces = generator.pieces(task, spec, remaining_s=lambda: None)
+            texts.append(next(p for p in pieces if isinstance(p, Piece) and p.text).text)
+            pieces.close()
+        assert texts[0] == texts[1]
+        with pytest.raises(InvalidFieldError, match="n=2 choices"):
+            generator.start(replace(spec, max_tokens_fit=False), 2)
+    finally:
+        generator.close()
+        for stage in stages:
+            stage.close()
