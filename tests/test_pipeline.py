@@ -157,9 +157,13 @@ def test_a_stage_killed_and_restarted_mid_generation_is_recovered_with_identical
         pipeline.stop()
 
 
-def test_a_killed_stage_is_replaced_by_a_configured_alternate_and_the_text_is_unchanged(smollm2, slice_cache, tmp_path):
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_a_killed_stage_is_replaced_by_a_configured_alternate_and_the_text_is_unchanged(
+        smollm2, slice_cache, tmp_path, seeded):
     """stage-1 lists stage-2b (same layers 20:30) as an alternate: when stage-2 dies, stage-1
-    switches to it, the head re-prefills its session through the new chain and goes on."""
+    switches to it, the head re-prefills its session through the new chain and goes on. Seeded at
+    temperature > 0 too: the new final stage's sampler skips the draws the dead one made."""
+    sampling = pb.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=99) if seeded else None
     from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
 
     ports = free_ports("127.0.0.1", 4)
@@ -172,8 +176,8 @@ def test_a_killed_stage_is_replaced_by_a_configured_alternate_and_the_text_is_un
     try:
         pipeline.wait_serving(120)
         prompt = "Here is a short poem about the sea:\n"
-        undisturbed, _ = grpc_generate(pipeline.head_endpoint, prompt, 64)
-        run = StreamingRun(pipeline.head_endpoint, prompt, 64)
+        undisturbed, _ = grpc_generate(pipeline.head_endpoint, prompt, 64, sampling=sampling)
+        run = StreamingRun(pipeline.head_endpoint, prompt, 64, sampling=sampling)
         assert run.started.wait(60)
         os.kill(pipeline.procs[2].pid, signal.SIGKILL)
         run.worker.join(120)

@@ -241,13 +241,16 @@ def test_export_and_import_over_grpc_fork_a_session_on_a_stage_and_refuse_a_fore
         head.DropSession(pb.DropSessionRequest(session_id="page-me"), timeout=30)
 
 
-@pytest.mark.parametrize("draining", [1, 2], ids=["middle-stage", "final-stage"])
+@pytest.mark.parametrize(("draining", "seeded"), [(1, False), (2, False), (2, True)],
+                         ids=["middle-stage", "final-stage", "final-stage-seeded"])
 def test_a_draining_stage_hands_its_sessions_and_prefixes_to_its_stand_in_and_the_text_is_unchanged(
-        draining, smollm2, slice_cache, tmp_path):
+        draining, seeded, smollm2, slice_cache, tmp_path):
     """The stage above lists a stand-in for the same layers: on SIGTERM it moves the live
     session's KV page there (no re-prefill: the head recovers nothing) and then the resident
     prefixes; the generation goes on with the text it would have had, a later request still finds
-    its prefix, and the drained stage exits 0 as soon as its sessions have left."""
+    its prefix, and the drained stage exits 0 as soon as its sessions have left. Seeded at
+    temperature > 0 as well: the stand-in's sampler skips the draws the drained one made."""
+    sampling = pb.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=5) if seeded else None
     ports = free_ports("127.0.0.1", 8)
     configs = pipeline_configs(str(smollm2), RANGES, host="127.0.0.1", ports=ports[:3],
                                extra={"cache_dir": str(slice_cache), "recovery_wait_s": 60, **STAGE_OPTIONS})
@@ -268,10 +271,10 @@ def test_a_draining_stage_hands_its_sessions_and_prefixes_to_its_stand_in_and_th
         other = "The three primary colours are"
         grpc_generate(head, other, 8)  # a resident prefix that must move too
         prompt = "Here is a short poem about the sea:\n"
-        grpc_generate(head, prompt, 96)
+        grpc_generate(head, prompt, 96, sampling=sampling)
         # the reference: a run that starts from the previous run's resident prefix, as the next one will
-        undisturbed, _ = grpc_generate(head, prompt, 96)
-        run = StreamingRun(head, prompt, 96)
+        undisturbed, _ = grpc_generate(head, prompt, 96, sampling=sampling)
+        run = StreamingRun(head, prompt, 96, sampling=sampling)
         assert run.started.wait(60)
         pipeline.procs[draining].send_signal(signal.SIGTERM)
         run.worker.join(120)

@@ -119,6 +119,9 @@ class Task:
     # gathered by position as the prompt's chunks come back.
     prompt_logprobs: int | None = None
     prompt_lps: dict[int, TokenLogprob] = field(default_factory=dict)
+    # Samples the final stage took for this task (every sampled token received, drafts' verify rows
+    # and an ending token included): a sampler rebuilt below skips as many seeded draws.
+    samples: int = 0
     prompt_lps_sent: bool = False
     forks: list[Task] = field(default_factory=list)
     fork_from: Task | None = None
@@ -399,7 +402,7 @@ class Scheduler:
                                          positions=range(position, position + n), token_ids=[task.last_token, *drafts],
                                          sample_last=True, sampling=task.sampling,
                                          rewind=task.drafter is not None, verify=bool(drafts),
-                                         top_logprobs=task.top_logprobs))
+                                         top_logprobs=task.top_logprobs, draws_before=task.samples))
                 plan.append((task, 0))
                 budget -= n
                 outputs -= n
@@ -439,7 +442,7 @@ class Scheduler:
                                      top_logprobs=task.top_logprobs if last else None,
                                      all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
                                      next_token=feed[start + n] if in_prompt and start + n < len(task.prompt)
-                                     else None))
+                                     else None, draws_before=task.samples if last else 0))
             plan.append((task, n))
             budget -= n
             outputs -= n if every_row else int(last)
@@ -628,6 +631,7 @@ class Scheduler:
             # A verify entry's samples: the drafts it kept, then the one that rejected a draft (or
             # followed the last): each as if sampled in a step of its own.
             tokens = out.tokens if out.tokens is not None else (out.token,)
+            task.samples += len(tokens)
             if task.drafted:
                 accepted = len(tokens) - 1
                 self._on_speculation(task.drafted, accepted)

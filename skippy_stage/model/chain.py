@@ -50,6 +50,7 @@ class Step:
     sample: bool = True
     sampling: SamplingParams | None = None
     fork_of: str | None = None  # a new session starting as a copy of this one's first ``start`` tokens
+    draws_before: int = 0  # samples the session took before (a sampler built now skips their draws)
 
 
 class Chain:
@@ -86,7 +87,8 @@ class Chain:
             if final:
                 entries = [
                     BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=e.hidden,
-                               want_logits=s.want_logits, sample=s.sample, sampling=s.sampling, fork_of=e.fork_of)
+                               want_logits=s.want_logits, sample=s.sample, sampling=s.sampling, fork_of=e.fork_of,
+                               draws_before=s.draws_before)
                     for e, s in zip(entries, steps)
                 ]
             results = stage.run_batch(entries)

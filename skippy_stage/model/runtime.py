@@ -90,9 +90,15 @@ class BatchEntry:
     # ``next_token``) and this many alternatives: a prompt's logprobs. Every row is an output.
     prompt_logprobs: int | None = None
     next_token: int | None = None
+    # Final stage: samples the session's sampler took before this step; a chain built now (after a
+    # hand-off, a recovery, a trim) skips as many seeded draws, so it samples what it would have.
+    draws_before: int = 0
 
 
 MAX_TOP_LOGPROBS = 20
+# A session samples at most once per row it feeds: a verify step of k drafts k + 1 times for one
+# kept token or more. Far more than any session takes; it bounds a client's skip-draws cost.
+MAX_DRAWS_PER_CELL = 16
 
 
 @dataclass(frozen=True)
@@ -426,6 +432,9 @@ class StageRuntime:
                                               f"[0, {MAX_TOP_LOGPROBS}], at the final stage, with the token_ids")
                 if e.next_token is not None and not 0 <= e.next_token < self.n_vocab:
                     raise InvalidRequestError(f"{where}.next_token={e.next_token} is out of range [0, {self.n_vocab})")
+            if not 0 <= e.draws_before <= MAX_DRAWS_PER_CELL * self.cells_per_lane:
+                raise InvalidRequestError(f"{where}.draws_before={e.draws_before} must be in [0, "
+                                          f"{MAX_DRAWS_PER_CELL} x {self.cells_per_lane} KV cells]")
             if e.verify and (not e.sample or tokens is None):
                 raise InvalidRequestError(f"{where}.verify needs sample and the token_ids it verifies")
             checked.append(_Checked(e, pos.astype(np.int32), tokens))
@@ -561,7 +570,8 @@ class StageRuntime:
         logprobs = None
         if e.sample:
             dist = self._log_softmax_row(row) if e.top_logprobs is not None else None
-            token = self._sample(e.session_id, e.sampling or SamplingParams(), history, row)
+            token = self._sample(e.session_id, e.sampling or SamplingParams(), history, row,
+                                 draws=e.draws_before)
             state = self._samplers[e.session_id]
             history.append(token)  # the chain accepted it while sampling
             state.accepted = len(history)
@@ -590,7 +600,7 @@ class StageRuntime:
         history = self._history.setdefault(e.session_id, [])
         del history[p0:]
         history.append(int(c.tokens[0]))
-        state = self._sampler_for(e.session_id, e.sampling or SamplingParams(), history)
+        state = self._sampler_for(e.session_id, e.sampling or SamplingParams(), history, e.draws_before)
         samples: list[int] = []
         logprobs: list[TokenLogprob] = []
         for i in range(c.n):
@@ -609,10 +619,10 @@ class StageRuntime:
                            logprobs=tuple(logprobs) if e.top_logprobs is not None else None)
 
     def _sample(self, session_id: str, params: SamplingParams, history: list[int], row: int,
-                state: _SessionSampler | None = None) -> int:
+                state: _SessionSampler | None = None, *, draws: int = 0) -> int:
         """One sample of ``row``; a grammar's dead end (no token allowed) ends this session only: it
         samples the end-of-generation token, which the chain does not accept."""
-        state = state or self._sampler_for(session_id, params, history)
+        state = state or self._sampler_for(session_id, params, history, draws)
         token = state.chain.sample(self._ctx, row)
         if token is None:
             self.log.warning("grammar allows no token: the session ends", session_id=session_id)
@@ -630,7 +640,8 @@ class StageRuntime:
         raise InvalidRequestError("sampling.grammar allows no token here and this model has no end-of-generation "
                                   "token to end the session with")
 
-    def _sampler_for(self, session_id: str, params: SamplingParams, history: list[int]) -> _SessionSampler:
+    def _sampler_for(self, session_id: str, params: SamplingParams, history: list[int],
+                     draws: int = 0) -> _SessionSampler:
         state = self._samplers.get(session_id)
         if state is None or state.chain.params != params:
             if state is not None:
@@ -639,6 +650,7 @@ class StageRuntime:
             try:
                 for token in history[params.grammar_start:]:  # a rebuilt chain: what was generated so far
                     chain.accept_generated(token)
+                chain.skip_draws(draws)
             except BaseException:
                 chain.close()
                 raise

@@ -133,6 +133,7 @@ class SamplerChain:
         self.n_vocab = n_vocab
         self._penalties = None
         self._grammar = None
+        self._dist = None
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
@@ -159,7 +160,24 @@ class SamplerChain:
         if params.min_p > 0.0:
             add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
         add(llama_cpp.llama_sampler_init_temp(params.temperature))
-        add(llama_cpp.llama_sampler_init_dist(params.seed))
+        self._dist = llama_cpp.llama_sampler_init_dist(params.seed)  # owned by the chain
+        add(self._dist)
+
+    def skip_draws(self, n: int) -> None:
+        """Advance the seeded draw past ``n`` samples, as if this chain had taken them: llama.cpp's
+        dist sampler draws once per sample whatever the candidates, and its random state cannot be
+        exported, so a chain rebuilt for a session (a hand-off, a recovery, a trim) skips the draws
+        its predecessor made and samples what it would have (~2 us a draw)."""
+        if self._dist is None or n <= 0:
+            return
+        two = np.zeros(2, dtype=_TOKEN_DATA)
+        two["id"] = (0, 1)
+        arr = llama_cpp.llama_token_data_array(two.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), 2, -1,
+                                               False)
+        ref = ctypes.byref(arr)
+        for _ in range(n):
+            arr.selected = -1
+            llama_cpp.llama_sampler_apply(self._dist, ref)
 
     def accept(self, token: int) -> None:
         """Feed a history token to what looks at history: the repetition penalties."""

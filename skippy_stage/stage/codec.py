@@ -117,6 +117,7 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         fork_of=e.fork_of or None,
         prompt_logprobs=e.prompt_logprobs if e.HasField("prompt_logprobs") else None,
         next_token=e.next_token if e.HasField("next_token") else None,
+        draws_before=e.draws_before,
     )
 
 
@@ -138,6 +139,7 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
         msg.prompt_logprobs = e.prompt_logprobs
     if e.next_token is not None:
         msg.next_token = e.next_token
+    msg.draws_before = e.draws_before
     return msg
 
 

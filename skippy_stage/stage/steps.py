@@ -56,6 +56,7 @@ class StepEntry:
     # Final stage: each row's next token's logprob and this many alternatives (a prompt's logprobs).
     prompt_logprobs: int | None = None
     next_token: int | None = None  # with prompt_logprobs: the token after the last position
+    draws_before: int = 0  # final stage: samples the session took before (a rebuilt sampler skips them)
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             fork_of=e.fork_of,
             prompt_logprobs=e.prompt_logprobs if shape.include_output else None,
             next_token=e.next_token if shape.include_output else None,
+            draws_before=e.draws_before if shape.include_output and e.sample_last else 0,
         ))
     return entries
 

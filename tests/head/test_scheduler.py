@@ -716,3 +716,15 @@ def test_a_final_stage_that_drops_a_prompts_logprobs_fails_the_task_naming_them(
     scheduler.submit(task)
     tokens, end = outcome(task)
     assert tokens == [] and isinstance(end, Failed) and "0 of the prompt's 3 tokens" in str(end.error)
+
+
+def test_every_sampling_entry_says_how_many_samples_its_session_took_before(make_scheduler):
+    """A final stage that builds the session's sampler anew (a hand-off, a recovery) skips that many
+    seeded draws: the count is every sample the head received, the prompt's first included."""
+    chain = FakeChain()
+    scheduler = make_scheduler(chain, n_ubatch=2)
+    task = make_task("a", 3, 4)
+    scheduler.submit(task)
+    assert outcome(task) == (expected_tokens(task), End("length"))
+    assert [(list(e.positions), e.sample_last, e.draws_before) for r in chain.requests for e in r.entries] == [
+        ([0, 1], False, 0), ([2], True, 0), ([3], True, 1), ([4], True, 2), ([5], True, 3)]

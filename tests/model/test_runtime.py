@@ -574,3 +574,46 @@ def test_bad_prompt_logprobs_are_refused_naming_the_field(chain, tail, prompt, f
     entry = BatchEntry("s", np.arange(len(prompt)), token_ids=prompt, hidden=rows(len(prompt)),
                        **{"prompt_logprobs": 2, field: value})
     refuse(tail, [entry], InvalidRequestError, field)
+
+
+# -- seeded sampling -----------------------------------------------------------------
+
+
+def test_seeded_sampling_equals_llama_cpp_pythons_for_the_same_seed(smollm2, chain, head):
+    """The final stage's chain is llama.cpp's, in llama-cpp-python's order, drawing from the same
+    seeded stream: a split samples the unsplit model's text at temperature > 0 too."""
+    from skippy_stage.model.loader import reference_llama
+
+    llm = reference_llama(smollm2, n_ctx=512, verbose=False)
+    try:
+        want = llm.create_completion("Once upon a time", max_tokens=12, seed=42, repeat_penalty=1.0,
+                                     **SEEDED)["choices"][0]["text"]
+    finally:
+        llm.close()
+    tokens, _ = generate(chain, "seeded", head.tokenizer.tokenize("Once upon a time"), 12,
+                         SamplingParams(seed=42, **SEEDED))
+    assert b"".join(head.tokenizer.token_bytes(t) for t in tokens).decode("utf-8", errors="ignore") == want
+
+
+def test_a_sampler_built_mid_session_skips_the_draws_before_it_and_samples_what_the_first_would_have(chain, prompt):
+    """A session whose sampler is rebuilt (a hand-off, a recovery, a trim) is told how many samples
+    came before (``draws_before``): with the same KV and seed, it continues the seeded text exactly."""
+    sampling = SamplingParams(seed=1234, **SEEDED)
+    first, _ = generate(chain, "first", prompt, 10, sampling)
+    chain.step([Step("again", 0, prompt, want_logits=False, sample=False)])
+    for i, token in enumerate(first[:4]):
+        chain.step([Step("again", len(prompt) + i, [token], want_logits=False, sample=False)])
+    out = []
+    for i in range(5):
+        fed = [first[4]] if i == 0 else [out[-1]]
+        (result,) = chain.step([Step("again", len(prompt) + 4 + i, fed, want_logits=False, sampling=sampling,
+                                     draws_before=5 + i)])
+        out.append(result.token)
+    chain.drop("again")
+    assert out == first[5:]
+
+
+def test_draws_before_beyond_what_a_session_can_take_is_refused_naming_it(chain, tail, prompt):
+    entry = BatchEntry("s", np.arange(len(prompt)), token_ids=prompt, hidden=rows(len(prompt)), sample=True,
+                       sampling=SamplingParams(seed=1, **SEEDED), draws_before=16 * CELLS_PER_LANE + 1)
+    refuse(tail, [entry], InvalidRequestError, "draws_before")

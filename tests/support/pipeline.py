@@ -30,11 +30,13 @@ def reference_texts(model, prompts, max_tokens):
         llm.close()
 
 
-def grpc_generate(endpoint: str, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, pb.GenerateResponse]:
+def grpc_generate(endpoint: str, prompt: str, max_tokens: int, timeout: float = 120,
+                  sampling: pb.SamplingParams | None = None) -> tuple[str, pb.GenerateResponse]:
     with grpc.insecure_channel(endpoint) as channel:
         stub = pb_grpc.StageServiceStub(channel)
         text, last = [], None
-        for msg in stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=timeout):
+        request = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling)
+        for msg in stub.Generate(request, timeout=timeout):
             text.append(msg.text)
             last = msg
         return "".join(text), last
@@ -93,7 +95,7 @@ class StreamingRun:
     """
 
     def __init__(self, endpoint: str, prompt: str, max_tokens: int, after_pieces: int = 8,
-                 timeout: float = 120) -> None:
+                 timeout: float = 120, sampling: pb.SamplingParams | None = None) -> None:
         self.pieces: list[str] = []
         self.streaming = threading.Event()
         self.started = threading.Event()
@@ -102,7 +104,7 @@ class StreamingRun:
         self.ended: float | None = None
         self._channel = grpc.insecure_channel(endpoint)
         self.call = pb_grpc.StageServiceStub(self._channel).Generate(
-            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=timeout)
+            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling), timeout=timeout)
         self._after = after_pieces
         self.worker = threading.Thread(target=self._consume, daemon=True)
         self.worker.start()
