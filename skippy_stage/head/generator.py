@@ -233,9 +233,17 @@ class Generator:
         if not 1 <= n <= self.stage.config.lane_count:
             raise InvalidFieldError("n", f"n={n} choices need as many lanes at once: between 1 and this "
                                          f"pipeline's lane_count={self.stage.config.lane_count}")
+        speculation = self.stage.config.speculative
+        if spec.speculative is not None:
+            speculation = spec.speculative.over(speculation)
+        if speculation.enabled and not self.runtime.cuttable:
+            raise InvalidRequestError(f"speculative.drafter={speculation.drafter!r}: this model's state cannot be "
+                                      f"cut back (recurrent layers), so rejected drafts could not be removed")
         max_tokens = spec.max_tokens
         if n > 1 and spec.max_tokens_fit:
-            max_tokens = min(max_tokens, self.runtime.n_ctx // n - len(prompt))
+            # each choice holds its prompt, its answer and the drafts a last step may carry past them
+            drafts = speculation.k if speculation.enabled else 0
+            max_tokens = min(max_tokens, self.runtime.n_ctx // n - len(prompt) - drafts)
             if max_tokens < 1:
                 raise InvalidFieldError("n", f"n={n} choices of a {len(prompt)}-token prompt do not fit this "
                                              f"pipeline's {self.runtime.n_ctx} KV cells at once: lower n")
@@ -244,12 +252,6 @@ class Generator:
             # refused here, before any stage computes; it constrains the generated tokens only
             llama_cpp.llama_sampler_free(parse_grammar(self.runtime.vocab, sampling.grammar))
             sampling = dataclasses.replace(sampling, grammar_start=len(prompt))
-        speculation = self.stage.config.speculative
-        if spec.speculative is not None:
-            speculation = spec.speculative.over(speculation)
-        if speculation.enabled and not self.runtime.cuttable:
-            raise InvalidRequestError(f"speculative.drafter={speculation.drafter!r}: this model's state cannot be "
-                                      f"cut back (recurrent layers), so rejected drafts could not be removed")
         tasks = []
         for i in range(n):
             seeded = sampling if sampling.seed == RANDOM_SEED or i == 0 else \

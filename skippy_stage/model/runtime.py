@@ -96,9 +96,6 @@ class BatchEntry:
 
 
 MAX_TOP_LOGPROBS = 20
-# A session samples at most once per row it feeds: a verify step of k drafts k + 1 times for one
-# kept token or more. Far more than any session takes; it bounds a client's skip-draws cost.
-MAX_DRAWS_PER_CELL = 16
 
 
 @dataclass(frozen=True)
@@ -432,9 +429,11 @@ class StageRuntime:
                                               f"[0, {MAX_TOP_LOGPROBS}], at the final stage, with the token_ids")
                 if e.next_token is not None and not 0 <= e.next_token < self.n_vocab:
                     raise InvalidRequestError(f"{where}.next_token={e.next_token} is out of range [0, {self.n_vocab})")
-            if not 0 <= e.draws_before <= MAX_DRAWS_PER_CELL * self.cells_per_lane:
+            # Each sample adds one token (a verify step samples once per token it keeps), so a session
+            # has sampled at most as often as it holds tokens: that bounds the skip a client asks for.
+            if not 0 <= e.draws_before <= int(pos[0]):
                 raise InvalidRequestError(f"{where}.draws_before={e.draws_before} must be in [0, "
-                                          f"{MAX_DRAWS_PER_CELL} x {self.cells_per_lane} KV cells]")
+                                          f"positions[0]={int(pos[0])}]: a session samples once per token")
             if e.verify and (not e.sample or tokens is None):
                 raise InvalidRequestError(f"{where}.verify needs sample and the token_ids it verifies")
             checked.append(_Checked(e, pos.astype(np.int32), tokens))

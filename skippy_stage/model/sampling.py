@@ -168,8 +168,8 @@ class SamplerChain:
         dist sampler draws once per sample whatever the candidates, and its random state cannot be
         exported, so a chain rebuilt for a session (a hand-off, a recovery, a trim) skips the draws
         its predecessor made and samples what it would have (~2 us a draw)."""
-        if self._dist is None or n <= 0:
-            return
+        if self._dist is None or n <= 0 or self.params.seed == RANDOM_SEED:
+            return  # (an unseeded stream is random either way)
         two = np.zeros(2, dtype=_TOKEN_DATA)
         two["id"] = (0, 1)
         arr = llama_cpp.llama_token_data_array(two.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), 2, -1,

@@ -208,6 +208,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             session_id=request.session_id, phase=PHASE_DECODE, positions=[request.position],
             token_ids=[request.token_id], sample_last=True, want_logits=request.want_logits,
             sampling=codec.sampling_from_pb(request.sampling) if request.HasField("sampling") else None,
+            draws_before=request.draws_before,
         )
         out = codec.outputs_to_pb(self.stage.process(Step(request_id="", entries=[entry]),
                                                      context.time_remaining())).outputs[0]

@@ -264,18 +264,20 @@ class IterationBatchResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[EntryOutput, _Mapping]]] = ..., final_stage_id: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "position", "token_id", "sampling", "want_logits")
+    __slots__ = ("session_id", "position", "token_id", "sampling", "want_logits", "draws_before")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    DRAWS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     token_id: int
     sampling: SamplingParams
     want_logits: bool
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+    draws_before: int
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_logits: _Optional[bool] = ..., draws_before: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token", "logits")

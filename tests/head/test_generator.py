@@ -57,6 +57,7 @@ def test_n_choices_without_max_tokens_share_a_unified_kv_pool_instead_of_being_r
     from support.chain import split_configs
 
     from skippy_stage.errors import InvalidFieldError
+    from skippy_stage.head.drafting import SpeculativeRequest
     from skippy_stage.head.generator import GenerateSpec, Generator, Piece
     from skippy_stage.model.sampling import SamplingParams
     from skippy_stage.stage.stage import Stage
@@ -83,6 +84,10 @@ def test_n_choices_without_max_tokens_share_a_unified_kv_pool_instead_of_being_r
         assert texts[0] == texts[1]
         with pytest.raises(InvalidFieldError, match="n=2 choices"):
             generator.start(replace(spec, max_tokens_fit=False), 2)
+        drafting = generator.start(replace(spec, speculative=SpeculativeRequest(drafter="ngram", k=4)), 2)
+        assert [t.max_tokens for t in drafting] == [128 - prompt - 4] * 2  # room for a last step's drafts
+        for task in drafting:
+            task.cancel()
     finally:
         generator.close()
         for stage in stages:

@@ -613,7 +613,36 @@ def test_a_sampler_built_mid_session_skips_the_draws_before_it_and_samples_what_
     assert out == first[5:]
 
 
-def test_draws_before_beyond_what_a_session_can_take_is_refused_naming_it(chain, tail, prompt):
+def test_draws_before_beyond_what_a_session_can_have_taken_is_refused_naming_it(chain, tail, prompt):
+    """A session samples once per token it holds: a larger count (a skip a client could make the
+    stage spend seconds on) is refused."""
     entry = BatchEntry("s", np.arange(len(prompt)), token_ids=prompt, hidden=rows(len(prompt)), sample=True,
-                       sampling=SamplingParams(seed=1, **SEEDED), draws_before=16 * CELLS_PER_LANE + 1)
-    refuse(tail, [entry], InvalidRequestError, "draws_before")
+                       sampling=SamplingParams(seed=1, **SEEDED), draws_before=1)
+    refuse(tail, [entry], InvalidRequestError, "draws_before=1", "positions[0]=0")
+
+
+def test_llama_cpps_dist_sampler_draws_once_per_sample_whatever_the_candidates():
+    """What skipping draws relies on, pinned: one, two or a thousand candidates, each sample takes
+    one draw from the seeded stream (a llama.cpp whose dist sampler stops drawing for a single
+    candidate fails here, not in a recovery)."""
+    import ctypes
+
+    import llama_cpp
+
+    from skippy_stage.model.sampling import _TOKEN_DATA
+
+    def picks(sizes: list[int]) -> list[int]:
+        dist = llama_cpp.llama_sampler_init_dist(42)
+        out = []
+        for n in sizes:
+            data = np.zeros(n, dtype=_TOKEN_DATA)
+            data["id"], data["logit"] = np.arange(n), np.linspace(0, 1, n)
+            arr = llama_cpp.llama_token_data_array(data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                                   n, -1, False)
+            llama_cpp.llama_sampler_apply(dist, ctypes.byref(arr))
+            out.append(int(arr.selected))
+        llama_cpp.llama_sampler_free(dist)
+        return out
+
+    plain = picks([1000] * 6)
+    assert picks([1, 1, 1] + [1000] * 3)[3:] == plain[3:] == picks([2, 2, 2] + [1000] * 3)[3:]
