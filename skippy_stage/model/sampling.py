@@ -42,6 +42,9 @@ class SamplingParams:
     # (the head sets it to the prompt's length); "" for none.
     grammar: str = ""
     grammar_start: int = 0
+    # OpenAI's: subtracted once per occurrence / once if present in the last repeat_last_n tokens
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +60,10 @@ class SamplingParams:
             ("repeat_penalty", self.repeat_penalty,
              math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0.0, "> 0"),
             ("repeat_last_n", self.repeat_last_n, 0 <= self.repeat_last_n <= 4096, "in [0, 4096]"),
+            ("frequency_penalty", self.frequency_penalty,
+             math.isfinite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("presence_penalty", self.presence_penalty,
+             math.isfinite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("seed", self.seed, 0 <= self.seed <= 0xFFFFFFFF, "in [0, 2^32-1]"),
             ("grammar_start", self.grammar_start, 0 <= self.grammar_start < 2**31, "in [0, 2^31)"),
         )
@@ -138,9 +145,11 @@ class SamplerChain:
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
         add = lambda s: llama_cpp.llama_sampler_chain_add(self._chain, s)  # noqa: E731
-        if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
+        penalised = params.repeat_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+        if penalised and params.repeat_last_n > 0:
             self._penalties = llama_cpp.llama_sampler_init_penalties(n_vocab, params.repeat_last_n,
-                                                                     params.repeat_penalty, 0.0, 0.0)
+                                                                     params.repeat_penalty, params.frequency_penalty,
+                                                                     params.presence_penalty)
             add(self._penalties)
         if params.grammar:
             if vocab is None:

@@ -78,8 +78,6 @@ MAX_CHOICES = 128  # n; the pipeline's lane_count bounds it further
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
@@ -362,8 +360,11 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
         value = body.get("logprobs")
         top_logprobs = None if value is None or value is False else _int_field(body, "logprobs", low=0,
                                                                                  high=MAX_TOP_LOGPROBS)
+    in_range = lambda v: -2.0 <= v <= 2.0  # noqa: E731
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=RANDOM_SEED if seed is None else seed,
-                              grammar=_response_format(body.get("response_format")))
+                              grammar=_response_format(body.get("response_format")),
+                              frequency_penalty=_float_field(body, "frequency_penalty", 0.0, in_range, "in [-2, 2]"),
+                              presence_penalty=_float_field(body, "presence_penalty", 0.0, in_range, "in [-2, 2]"))
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                          speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs,

@@ -56,12 +56,15 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         seed=int(msg.seed) if msg.HasField("seed") else RANDOM_SEED,
         grammar=msg.grammar,
         grammar_start=int(msg.grammar_start),
+        frequency_penalty=float(msg.frequency_penalty),
+        presence_penalty=float(msg.presence_penalty),
     )
 
 
 def sampling_to_pb(params: SamplingParams | None) -> pb.SamplingParams:
     p = params or SamplingParams()
-    msg = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p)
+    msg = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p,
+                            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty)
     msg.top_p = p.top_p
     msg.repeat_penalty = p.repeat_penalty
     msg.repeat_last_n = p.repeat_last_n

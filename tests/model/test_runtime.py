@@ -290,7 +290,8 @@ def test_only_the_final_stage_samples_or_returns_logits(chain, head, prompt, ask
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
-     ("top_k", -1), ("min_p", 1.0), ("repeat_penalty", 0.0), ("repeat_last_n", -1), ("seed", -1)],
+     ("top_k", -1), ("min_p", 1.0), ("repeat_penalty", 0.0), ("repeat_last_n", -1), ("seed", -1),
+     ("frequency_penalty", 2.5), ("presence_penalty", float("inf"))],
 )
 def test_invalid_sampling_params_are_refused_naming_the_field(chain, tail, prompt, field, value):
     entries = [BatchEntry("s", np.arange(2), hidden=rows(2), sample=True, sampling=SamplingParams(**{field: value}))]
@@ -417,6 +418,27 @@ def test_repeat_penalty_window_holds_the_last_n_tokens_of_the_history(chain, hea
         expected.append(int(np.argmax(penalised)))
         history.append(token)
     assert out == expected
+
+
+def test_frequency_and_presence_penalties_subtract_per_occurrence_and_once_over_the_window(chain, head):
+    """OpenAI's penalties, llama.cpp's sampler: greedy picks the argmax of the logits less
+    frequency x count and presence x (count > 0) over the last repeat_last_n tokens, prompt included."""
+    frequency, presence, last_n = 0.7, 0.4, 16
+    tokens = head.tokenizer.tokenize("one two one two one two one")
+    params = SamplingParams(frequency_penalty=frequency, presence_penalty=presence, repeat_last_n=last_n)
+    out, logits = generate(chain, "openai-penalties", tokens, 16, params)
+    history = list(tokens)
+    expected = []
+    for row, token in zip(logits, out):
+        penalised = row.copy()
+        window = history[-last_n:]
+        for t in set(window):
+            penalised[t] -= np.float32(window.count(t)) * np.float32(frequency) + np.float32(presence)
+        expected.append(int(np.argmax(penalised)))
+        history.append(token)
+    assert out == expected
+    plain, _ = generate(chain, "no-penalties", tokens, 16, SamplingParams())
+    assert out != plain
 
 
 def test_a_session_cut_back_and_fed_other_tokens_computes_what_a_fresh_session_fed_those_tokens_does(

@@ -210,6 +210,8 @@ def test_concurrent_clients_get_what_sequential_calls_get(start_pipeline, smollm
         ({"messages": CHATS[0], "stop": 7}, "stop"),
         ({"messages": CHATS[0], "stream": "yes"}, "stream"),
         ({"messages": CHATS[0], "n": 0}, "n"),
+        ({"messages": CHATS[0], "presence_penalty": 3}, "presence_penalty"),
+        ({"messages": CHATS[0], "frequency_penalty": -2.5}, "frequency_penalty"),
         ({"messages": CHATS[0], "n": 5}, "n"),  # more choices than the pipeline's 4 lanes
     ],
 )
@@ -537,3 +539,13 @@ def test_grpc_generate_returns_each_tokens_logprobs_as_the_openai_api_does(forki
     assert [lp.token for lp in logprobs] == [t for m in messages for t in m.token_ids]
     assert all(len(lp.top_tokens) == 2 for lp in logprobs)
     assert [round(lp.logprob, 4) for lp in logprobs] == [round(v, 4) for v in want.logprobs.token_logprobs]
+
+
+def test_frequency_and_presence_penalties_reach_the_final_stages_sampler(client):
+    """Accepted in OpenAI's range and applied (the arithmetic is pinned in the runtime's tests): a
+    greedy completion that repeats its prompt's pattern goes elsewhere once repeats are penalised."""
+    prompt = "one two one two one two one two one"
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    penalised = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
+                                          frequency_penalty=1.5, presence_penalty=1.0).choices[0].text
+    assert penalised != plain
