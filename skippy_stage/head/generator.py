@@ -248,6 +248,10 @@ class Generator:
                 raise InvalidFieldError("n", f"n={n} choices of a {len(prompt)}-token prompt do not fit this "
                                              f"pipeline's {self.runtime.n_ctx} KV cells at once: lower n")
         sampling = spec.sampling
+        bad = [t for t, _ in sampling.logit_bias if not 0 <= t < self.runtime.n_vocab]
+        if bad:
+            raise InvalidFieldError("logit_bias", f"logit_bias names token {bad[0]}, outside this model's "
+                                                  f"vocabulary [0, {self.runtime.n_vocab})")
         if sampling.grammar:
             # refused here, before any stage computes; it constrains the generated tokens only
             llama_cpp.llama_sampler_free(parse_grammar(self.runtime.vocab, sampling.grammar))

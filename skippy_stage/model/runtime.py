@@ -410,7 +410,11 @@ class StageRuntime:
             if (e.sample or e.want_logits) and not cfg.include_output:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
             if e.sample:
-                (e.sampling or SamplingParams()).validate()
+                params = (e.sampling or SamplingParams()).validate()
+                bad = [t for t, _ in params.logit_bias if not 0 <= t < self.n_vocab]
+                if bad:
+                    raise InvalidRequestError(f"{where}.sampling.logit_bias names token {bad[0]}, outside "
+                                              f"[0, {self.n_vocab})")
             every_row = e.all_rows or e.verify or e.prompt_logprobs is not None
             outputs += int(pos.shape[0]) if every_row else int(e.sample or e.want_logits)
             if cfg.include_output and outputs > cfg.n_ubatch:

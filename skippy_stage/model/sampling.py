@@ -26,6 +26,7 @@ MAX_GRAMMAR_NESTING = 512
 # largest {m,n}: llama.cpp expands a repetition into that many copies.
 MAX_GRAMMAR_RULES = 2048
 MAX_GRAMMAR_REPEAT = 256
+MAX_LOGIT_BIAS = 1024
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -45,6 +46,8 @@ class SamplingParams:
     # OpenAI's: subtracted once per occurrence / once if present in the last repeat_last_n tokens
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # (token, bias) added to the logits before any other sampler (OpenAI's logit_bias), by token id
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +73,11 @@ class SamplingParams:
         for name, value, ok, why in checks:
             if not ok:
                 raise InvalidRequestError(f"sampling.{name}={value!r} must be {why}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"sampling.logit_bias has {len(self.logit_bias)} tokens, at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequestError(f"sampling.logit_bias[{token}]={bias!r} must be in [-100, 100]")
         return self
 
 
@@ -145,6 +153,13 @@ class SamplerChain:
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
         add = lambda s: llama_cpp.llama_sampler_chain_add(self._chain, s)  # noqa: E731
+        if params.logit_bias:  # first, as llama-cpp-python applies it (a logits processor)
+            bad = [t for t, _ in params.logit_bias if not 0 <= t < n_vocab]
+            if bad:
+                self.close()
+                raise InvalidRequestError(f"sampling.logit_bias names token {bad[0]}, outside [0, {n_vocab})")
+            biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)
+            add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
         penalised = params.repeat_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
         if penalised and params.repeat_last_n > 0:
             self._penalties = llama_cpp.llama_sampler_init_penalties(n_vocab, params.repeat_last_n,

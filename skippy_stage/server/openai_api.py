@@ -78,7 +78,6 @@ MAX_CHOICES = 128  # n; the pipeline's lane_count bounds it further
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
 }
@@ -310,6 +309,22 @@ def _response_format(value: object) -> str:
     return grammar
 
 
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}``; the ids are checked against the vocabulary at the final stage."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidFieldError("logit_bias", f"logit_bias must be an object of token ids, got {_json_kind(value)}")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit()) or abs(int(key)) >= 2**31:
+            raise InvalidFieldError("logit_bias", f"logit_bias key {_show(key)} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise InvalidFieldError("logit_bias", f"logit_bias[{key}]={_show(bias)} must be a number in [-100, 100]")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
 def _echo(body: dict[str, Any], *, chat: bool) -> bool:
     echo = _bool_field(body, "echo")
     if echo and chat:
@@ -364,7 +379,8 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=RANDOM_SEED if seed is None else seed,
                               grammar=_response_format(body.get("response_format")),
                               frequency_penalty=_float_field(body, "frequency_penalty", 0.0, in_range, "in [-2, 2]"),
-                              presence_penalty=_float_field(body, "presence_penalty", 0.0, in_range, "in [-2, 2]"))
+                              presence_penalty=_float_field(body, "presence_penalty", 0.0, in_range, "in [-2, 2]"),
+                              logit_bias=_logit_bias(body.get("logit_bias")))
     return OpenAIRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling.validate(),
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                          speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs,

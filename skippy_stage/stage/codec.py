@@ -58,6 +58,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         grammar_start=int(msg.grammar_start),
         frequency_penalty=float(msg.frequency_penalty),
         presence_penalty=float(msg.presence_penalty),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
     )
 
 
@@ -72,6 +73,8 @@ def sampling_to_pb(params: SamplingParams | None) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.grammar:
         msg.grammar, msg.grammar_start = p.grammar, p.grammar_start
+    for token, bias in p.logit_bias:
+        msg.logit_bias[token] = bias
     return msg
 
 

@@ -668,3 +668,16 @@ def test_llama_cpps_dist_sampler_draws_once_per_sample_whatever_the_candidates()
 
     plain = picks([1000] * 6)
     assert picks([1, 1, 1] + [1000] * 3)[3:] == plain[3:] == picks([2, 2, 2] + [1000] * 3)[3:]
+
+
+def test_logit_bias_moves_the_greedy_choice_and_a_token_outside_the_vocabulary_is_refused(chain, tail, prompt):
+    """OpenAI's logit_bias, llama.cpp's sampler, first in the chain: -100 bans the greedy token, +100
+    on another token makes it the greedy choice every time."""
+    plain, logits = generate(chain, "unbiased", prompt, 1, SamplingParams())
+    banned, _ = generate(chain, "banned", prompt, 1, SamplingParams(logit_bias=((plain[0], -100.0),)))
+    assert banned[0] != plain[0] and banned[0] == int(np.argsort(logits[0])[-2])
+    forced, _ = generate(chain, "forced", prompt, 4, SamplingParams(logit_bias=((42, 100.0),)))
+    assert forced == [42] * 4
+    entry = BatchEntry("s", np.arange(2), hidden=rows(2), sample=True,
+                       sampling=SamplingParams(logit_bias=((N_VOCAB, 1.0),)))
+    refuse(tail, [entry], InvalidRequestError, f"logit_bias names token {N_VOCAB}")

@@ -211,6 +211,9 @@ def test_concurrent_clients_get_what_sequential_calls_get(start_pipeline, smollm
         ({"messages": CHATS[0], "stream": "yes"}, "stream"),
         ({"messages": CHATS[0], "n": 0}, "n"),
         ({"messages": CHATS[0], "presence_penalty": 3}, "presence_penalty"),
+        ({"messages": CHATS[0], "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"messages": CHATS[0], "logit_bias": {"42": 101}}, "logit_bias"),
+        ({"messages": CHATS[0], "logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
         ({"messages": CHATS[0], "frequency_penalty": -2.5}, "frequency_penalty"),
         ({"messages": CHATS[0], "n": 5}, "n"),  # more choices than the pipeline's 4 lanes
     ],
@@ -549,3 +552,20 @@ def test_frequency_and_presence_penalties_reach_the_final_stages_sampler(client)
     penalised = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
                                           frequency_penalty=1.5, presence_penalty=1.0).choices[0].text
     assert penalised != plain
+
+
+def test_logit_bias_bans_or_forces_tokens_by_id(smollm2, client):
+    llm = reference_llama(smollm2, n_ctx=256, verbose=False, vocab_only=True)
+    try:
+        paris, sea = (llm.tokenize(text.encode(), add_bos=False, special=False)[0] for text in (" Paris", " sea"))
+    finally:
+        llm.close()
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+    assert plain.startswith(" Paris")
+    banned = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(paris): -100}).choices[0].text
+    assert not banned.startswith(" Paris")
+    forced = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0,
+                                       logit_bias={str(sea): 100}).choices[0].text
+    assert forced == " sea" * 3
