@@ -112,17 +112,17 @@ class Task:
     drafted: int = 0
     # Log-probabilities of each sampled token and this many alternatives (None: none).
     top_logprobs: int | None = None
-    # n choices of one prompt: the first (the source) prefills all but the prompt's last token and
-    # holds there (``hold_at``) until its ``forks`` join it; each fork then starts as a copy of the
-    # source's KV on every stage (``fork_of``) and feeds that last token itself, in the same step.
     # Log-probabilities of the prompt's tokens too, with this many alternatives (None: not asked);
     # gathered by position as the prompt's chunks come back.
     prompt_logprobs: int | None = None
     prompt_lps: dict[int, TokenLogprob] = field(default_factory=dict)
+    prompt_lps_sent: bool = False
     # Samples the final stage took for this task (every sampled token received, drafts' verify rows
     # and an ending token included): a sampler rebuilt below skips as many seeded draws.
     samples: int = 0
-    prompt_lps_sent: bool = False
+    # n choices of one prompt: the first (the source) prefills all but the prompt's last token and
+    # holds there (``hold_at``) until its ``forks`` join it; each fork then starts as a copy of the
+    # source's KV on every stage (``fork_of``) and feeds that last token itself, in the same step.
     forks: list[Task] = field(default_factory=list)
     fork_from: Task | None = None
     hold_at: int | None = None
