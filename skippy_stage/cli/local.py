@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,14 +39,35 @@ def even_split(block_count: int, stages: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_ports(host: str, n: int) -> list[int]:
+    """n ports nobody listens on now, and that this process has not handed out before.
+
+    The ports are free only until someone binds them: two calls made before the first
+    caller's servers bind (a pipeline's stage ports, then its metrics or HTTP ports) could
+    otherwise get the same port back from the kernel, and one stage would fail to start
+    with "Address already in use".
+    """
     sockets = []
+    ports: list[int] = []
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+        with _handed_out_lock:
+            for _ in range(n + 1000):
+                if len(ports) == n:
+                    break
+                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+                s.bind((host, 0))
+                sockets.append(s)  # held until the end, so the kernel cannot offer it again now
+                port = s.getsockname()[1]
+                if port not in _handed_out:
+                    ports.append(port)
+            if len(ports) < n:
+                raise SkippyError(f"could not find {n} free ports on {host}")
+            _handed_out.update(ports)
+        return ports
     finally:
         for s in sockets:
             s.close()
