@@ -16,6 +16,27 @@ _HOP_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
+class Tally:
+    """What one frame (or step) did on its way through a stage, recorded once its output has
+    left (``StageMetrics.record``).
+
+    A metric update takes a lock and walks its buckets. On the path from a frame's bytes in
+    to the next frame's bytes out that work is paid at every stage for every token, on caches
+    the stage's own layers just evicted, where it costs 3-10x its hot price (measured); after
+    the send it overlaps the next stage's compute.
+    """
+
+    __slots__ = ("latencies", "computes", "received", "sent", "frames_ok", "returns")
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []  # seconds, one per frame
+        self.computes: list[tuple[float, int, int, list[int]]] = []  # seconds, entries, tokens, forks' lengths
+        self.received: list[tuple[str, int]] = []  # (codec, payload bytes) per frame
+        self.sent: list[tuple[str, int]] = []
+        self.frames_ok = 0
+        self.returns: list[str] = []  # a final stage's outputs by how they left
+
+
 class StageMetrics:
     def __init__(self, stage_id: str) -> None:
         self.registry = CollectorRegistry()
@@ -78,6 +99,27 @@ class StageMetrics:
         }
         self.info = Gauge("skippy_stage_info", "Identity of this stage", ["stage_id"], registry=r).labels(**s)
         self.info.set(1)
+
+    def record(self, tally: Tally) -> None:
+        """Add ``tally`` to the metrics and empty it (so recording it again adds nothing)."""
+        for seconds in tally.latencies:
+            self.hop_latency_seconds.observe(seconds)
+        for seconds, entries, tokens, forks in tally.computes:
+            self.compute_seconds.observe(seconds)
+            self.batch_entries.observe(entries)
+            self.batch_tokens.observe(tokens)
+            if forks:
+                self.session_forks.inc(len(forks))
+                self.fork_tokens_copied.inc(sum(forks))
+        for codec, n in tally.received:
+            self.activation_bytes.labels("received", codec).inc(n)
+        for codec, n in tally.sent:
+            self.activation_bytes.labels("sent", codec).inc(n)
+        if tally.frames_ok:
+            self.requests(rpc="Frame", code="OK").inc(tally.frames_ok)
+        for path in tally.returns:
+            self.returns(path=path).inc()
+        tally.__init__()
 
     def gauge_from(self, name: str, read: Callable[[], float]) -> None:
         """Read a gauge from its owner at scrape time."""

@@ -49,7 +49,7 @@ from skippy_stage.model.sampling import SamplerChain, SamplingParams
 from skippy_stage.model.slicing import MANIFEST_SUFFIX, read_model_info
 from skippy_stage.model.stage_file import resolve_context_size, resolve_stage_file
 from skippy_stage.model.tokenizer import Tokenizer
-from skippy_stage.model.ubatch import compute_order
+from skippy_stage.model.ubatch import compute_order, in_batch_order
 
 log = structlog.get_logger("skippy_stage.runtime")
 
@@ -357,7 +357,7 @@ class StageRuntime:
                 raise InvalidRequestError(f"{where}.session_id={e.session_id!r} appears twice in one batch")
             seen.add(e.session_id)
             pos = np.asarray(e.positions)
-            if pos.ndim != 1 or pos.shape[0] == 0 or not np.issubdtype(pos.dtype, np.integer):
+            if pos.ndim != 1 or pos.shape[0] == 0 or pos.dtype.kind not in "iu":
                 raise InvalidRequestError(f"{where}.positions must be a non-empty list of integers, got {pos.shape[0] if pos.ndim == 1 else pos.shape} values")
             total += pos.shape[0]
             if total > cfg.n_batch:
@@ -365,8 +365,8 @@ class StageRuntime:
             if pos[0] < 0 or pos[-1] >= 2**31 - 1:
                 k = 0 if pos[0] < 0 else pos.shape[0] - 1
                 raise InvalidRequestError(f"{where}.positions[{k}]={int(pos[k])} is out of range [0, 2^31-1)")
-            gaps = np.nonzero(np.diff(pos) != 1)[0]
-            if gaps.size:
+            gaps = np.nonzero(np.diff(pos) != 1)[0] if pos.shape[0] > 1 else ()
+            if len(gaps):
                 k = int(gaps[0])
                 raise InvalidRequestError(
                     f"{where}.positions are not contiguous: positions[{k}]={int(pos[k])} is followed by {int(pos[k + 1])}"
@@ -374,10 +374,10 @@ class StageRuntime:
             tokens = None
             if e.token_ids is not None:
                 tokens = np.asarray(e.token_ids)
-                if tokens.ndim != 1 or tokens.shape[0] != pos.shape[0] or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+                if tokens.ndim != 1 or tokens.shape[0] != pos.shape[0] or (tokens.size and tokens.dtype.kind not in "iu"):
                     raise InvalidRequestError(f"{where}.token_ids has {tokens.shape} values for {pos.shape[0]} positions")
-                bad = np.nonzero((tokens < 0) | (tokens >= self.n_vocab))[0]
-                if bad.size:
+                if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+                    bad = np.nonzero((tokens < 0) | (tokens >= self.n_vocab))[0]
                     k = int(bad[0])
                     raise InvalidRequestError(f"{where}.token_ids[{k}]={int(tokens[k])} is out of range [0, {self.n_vocab})")
             if cfg.include_embeddings:
@@ -542,18 +542,28 @@ class StageRuntime:
         return self._inner_results(checked, spans, offset)
 
     def _inner_results(self, checked: list[_Checked], spans: dict[int, tuple[int, int]], total: int) -> list[EntryResult]:
-        ubatches = compute_order(self._seq[:total].tolist(), self.config.n_ubatch, equal_split=self._equal_split)
-        predicted = [len(u) for u in ubatches]
+        n_ubatch = self.config.n_ubatch
+        seq = self._seq[:total].tolist()
+        # One sequence (a single-stream decode) or a simple split: computed in batch order.
+        ordered = not self._equal_split or in_batch_order(seq)
+        if ordered:
+            predicted = [min(n_ubatch, total - start) for start in range(0, total, n_ubatch)]
+        else:
+            ubatches = compute_order(seq, n_ubatch, equal_split=True)
+            predicted = [len(u) for u in ubatches]
         capture = self._capture
         if capture.error is not None or predicted != capture.counts:
             raise RuntimeFailure(
                 f"hidden-state capture disagrees with the predicted micro-batches "
                 f"(predicted rows {predicted}, captured {capture.counts}, error {capture.error})"
             )
-        in_batch_order = np.empty((total, self.n_embd), dtype=np.float32)
-        in_batch_order[np.concatenate([np.asarray(u, dtype=np.int64) for u in ubatches])] = capture.buffer[:total]
+        if ordered:
+            rows = capture.buffer[:total].copy()
+        else:
+            rows = np.empty((total, self.n_embd), dtype=np.float32)
+            rows[np.concatenate([np.asarray(u, dtype=np.int64) for u in ubatches])] = capture.buffer[:total]
         return [
-            EntryResult(c.entry.session_id, hidden=in_batch_order[spans[i][0] : spans[i][1]])
+            EntryResult(c.entry.session_id, hidden=rows[spans[i][0] : spans[i][1]])
             for i, c in enumerate(checked)
         ]
 

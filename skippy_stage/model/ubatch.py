@@ -21,10 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def in_batch_order(seq_ids: Sequence[int]) -> bool:
+    """Whether an equal split computes these tokens in batch order: one sequence only (its
+    micro-batches are then consecutive chunks of ``n_ubatch``, as in a simple split)."""
+    first = seq_ids[0] if len(seq_ids) else 0
+    return all(seq == first for seq in seq_ids)
+
+
 def compute_order(seq_ids: Sequence[int], n_ubatch: int, *, equal_split: bool) -> list[list[int]]:
     """Batch indices of each micro-batch, in the order llama.cpp computes them."""
     n = len(seq_ids)
-    if not equal_split:
+    if not equal_split or in_batch_order(seq_ids):
         return [list(range(start, min(start + n_ubatch, n))) for start in range(0, n, n_ubatch)]
 
     per_seq: dict[int, list[int]] = {}

@@ -62,6 +62,23 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+# Parsed sampling messages by their bytes: a session sends the same settings with every token,
+# to every stage, and parsing them costs a dozen field reads each time. Bounded; a miss parses.
+_SAMPLING_SEEN: dict[bytes, SamplingParams] = {}
+_SAMPLING_SEEN_MAX = 512
+
+
+def _sampling_of(msg: pb.SamplingParams) -> SamplingParams:
+    key = msg.SerializeToString()
+    params = _SAMPLING_SEEN.get(key)
+    if params is None:
+        params = sampling_from_pb(msg)
+        if len(_SAMPLING_SEEN) >= _SAMPLING_SEEN_MAX:
+            _SAMPLING_SEEN.clear()
+        _SAMPLING_SEEN[key] = params
+    return params
+
+
 def sampling_to_pb(params: SamplingParams | None) -> pb.SamplingParams:
     p = params or SamplingParams()
     msg = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p,
@@ -96,12 +113,15 @@ def descriptor_from_pb(msg: pb.FrameDescriptor) -> wire.FrameDescriptor:
 
 
 def descriptor_to_pb(desc: wire.FrameDescriptor) -> pb.FrameDescriptor:
-    return pb.FrameDescriptor(
-        version=desc.version, dtype=DTYPE_TO_PB[desc.dtype], layout=pb.LAYOUT_TOKEN_MAJOR,
-        producer_stage_index=desc.producer_stage_index, layer_start=desc.layer_start, layer_end=desc.layer_end,
-        token_count=desc.token_count, sequence_count=desc.sequence_count, payload_bytes=desc.payload_bytes,
-        flags=desc.flags, width=desc.width,
-    )
+    return _write_descriptor(desc, pb.FrameDescriptor())
+
+
+def _write_descriptor(d: wire.FrameDescriptor, into: pb.FrameDescriptor) -> pb.FrameDescriptor:
+    into.version, into.dtype, into.layout = d.version, DTYPE_TO_PB[d.dtype], pb.LAYOUT_TOKEN_MAJOR
+    into.producer_stage_index, into.layer_start, into.layer_end = d.producer_stage_index, d.layer_start, d.layer_end
+    into.token_count, into.sequence_count, into.payload_bytes = d.token_count, d.sequence_count, d.payload_bytes
+    into.flags, into.width = d.flags, d.width
+    return into
 
 
 def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
@@ -114,7 +134,7 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         sample_last=e.sample_last,
         want_logits=e.want_logits,
         # Acted on by the final stage only, and checked only where it will be.
-        sampling=sampling_from_pb(e.sampling) if e.sample_last and e.HasField("sampling") else None,
+        sampling=_sampling_of(e.sampling) if e.sample_last and e.HasField("sampling") else None,
         prefix_id=e.prefix_id or None,
         rewind=e.rewind,
         verify=e.verify,
@@ -158,10 +178,16 @@ def step_from_pb(msg: pb.IterationBatchRequest) -> Step:
 
 
 def step_to_pb(step: Step) -> pb.IterationBatchRequest:
-    entries = step.wire_entries if step.wire_entries is not None else [entry_to_pb(e) for e in step.entries]
-    msg = pb.IterationBatchRequest(request_id=step.request_id, entries=entries, return_key=step.return_key)
+    return _fill_step(pb.IterationBatchRequest(), step)
+
+
+def _fill_step(msg: pb.IterationBatchRequest, step: Step) -> pb.IterationBatchRequest:
+    """Written in place: a message handed to a constructor is copied, payload and all."""
+    msg.request_id = step.request_id
+    msg.entries.extend(step.wire_entries if step.wire_entries is not None else [entry_to_pb(e) for e in step.entries])
+    msg.return_key = step.return_key
     if step.frame is not None:
-        msg.frame.descriptor.CopyFrom(descriptor_to_pb(step.frame.descriptor))
+        _write_descriptor(step.frame.descriptor, msg.frame.descriptor)
         msg.frame.payload = step.frame.payload
     return msg
 
@@ -214,8 +240,10 @@ def frame_from_pb(msg: pb.HopRequest) -> Frame:
 
 
 def frame_to_pb(frame: Frame) -> pb.HopRequest:
-    return pb.HopRequest(hop_id=frame.hop_id, request=step_to_pb(frame.step), timeout_s=frame.timeout_s,
-                         relay=frame.relay, sent_unix_ns=frame.sent_unix_ns)
+    msg = pb.HopRequest(hop_id=frame.hop_id, timeout_s=frame.timeout_s, relay=frame.relay,
+                        sent_unix_ns=frame.sent_unix_ns)
+    _fill_step(msg.request, frame.step)
+    return msg
 
 
 def reply_from_pb(msg: pb.HopReply) -> Reply:

@@ -21,20 +21,11 @@ class EdgeGate:
         self._cond = threading.Condition()
         self._passing = 0
         self._closed = False
+        self._pass = _Passing(self)
 
-    @contextmanager
-    def passing(self) -> Iterator[None]:
+    def passing(self) -> _Passing:
         """One frame (or coalesced frames, or a step) through this stage: compute and send."""
-        with self._cond:
-            while self._closed:
-                self._cond.wait()
-            self._passing += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._passing -= 1
-                self._cond.notify_all()
+        return self._pass
 
     @contextmanager
     def closed(self, timeout_s: float) -> Iterator[bool]:
@@ -63,3 +54,27 @@ class EdgeGate:
             while self._passing and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
             return self._passing == 0
+
+
+class _Passing:
+    """``EdgeGate.passing()``: a plain context manager (a generator-based one costs several
+    times as much, and a frame passes one per stage per token)."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: EdgeGate) -> None:
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        gate = self._gate
+        with gate._cond:
+            while gate._closed:
+                gate._cond.wait()
+            gate._passing += 1
+
+    def __exit__(self, *exc: object) -> None:
+        gate = self._gate
+        with gate._cond:
+            gate._passing -= 1
+            if not gate._passing:  # only ``closed`` and ``wait_idle`` wait, for none passing
+                gate._cond.notify_all()

@@ -39,7 +39,7 @@ from skippy_stage.errors import (
     StageUnavailableError,
     UnknownSessionError,
 )
-from skippy_stage.metrics import StageMetrics
+from skippy_stage.metrics import StageMetrics, Tally
 from skippy_stage.model.runtime import KvPage, StageRuntime
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.security import Credentials
@@ -329,31 +329,25 @@ class Stage:
 
     # -- the frame path --------------------------------------------------------------
 
-    def _prepare(self, step: Step):
+    def _prepare(self, step: Step, tally: Tally):
         """Check one step against this stage (no llama.cpp yet): its runtime entries."""
         runtime = self.require_runtime()
         entries = runtime_entries(step, self.shape)
         self._check_reply_fits(step, runtime.n_vocab)
         if step.frame is not None:
-            self.metrics.activation_bytes.labels("received", step.frame.descriptor.dtype).inc(len(step.frame.payload))
+            tally.received.append((step.frame.descriptor.dtype, len(step.frame.payload)))
         return entries
 
-    def _compute(self, entries):
+    def _compute(self, entries, tally: Tally):
         """One llama_decode over ``entries`` (of one batch, or of several frames coalesced)."""
-        m = self.metrics
         started = time.perf_counter()
         results = self.require_runtime().run_batch(entries)
-        m.compute_seconds.observe(time.perf_counter() - started)
-        m.batch_entries.observe(len(entries))
-        m.batch_tokens.observe(sum(len(e.positions) for e in entries))
-        forks = [int(e.positions[0]) for e in entries if e.fork_of is not None]
-        if forks:
-            m.session_forks.inc(len(forks))
-            m.fork_tokens_copied.inc(sum(forks))
+        tally.computes.append((time.perf_counter() - started, len(entries), sum(len(e.positions) for e in entries),
+                               [int(e.positions[0]) for e in entries if e.fork_of is not None]))
         return results
 
     def _pass_on(self, step: Step, results, downstream: DownstreamClient | LocalDownstream | None, *, relay: bool,
-                 remaining_s: float | None, sink: Sink | None, hop_id: int = 0) -> Outputs | None:
+                 remaining_s: float | None, sink: Sink | None, tally: Tally, hop_id: int = 0) -> Outputs | None:
         """Hand this stage's output on: a frame to ``downstream`` (the edge the caller read once:
         the monitor may switch it meanwhile), or (final stage) the outputs to the head, to
         ``sink`` (relayed up one edge), or returned (None when sent)."""
@@ -361,16 +355,16 @@ class Stage:
             outputs = outputs_from_results(results, self.config.stage_id)
             if not relay and self.return_path is not None and step.return_key:
                 if self.return_path.send(step.return_key, outputs):
-                    self.metrics.returns(path="sent").inc()
+                    tally.returns.append("sent")
                     return None
             if sink is None:
                 return outputs
             sink(Reply(hop_id=hop_id, return_key=step.return_key, outputs=outputs))
-            self.metrics.returns(path="relayed").inc()
+            tally.returns.append("relayed")
             return None
         forward = forward_step(step, results, self.shape)
-        self.metrics.activation_bytes.labels("sent", self.shape.wire_dtype).inc(len(forward.frame.payload))
         downstream.send(Frame(step=forward, relay=relay, timeout_s=downstream.timeout_for(remaining_s)))
+        tally.sent.append((self.shape.wire_dtype, len(forward.frame.payload)))
         return None
 
     def accept_frame(self, frame: Frame, sink: Sink) -> None:
@@ -379,17 +373,19 @@ class Stage:
         Runs on the receiving thread: this stage's layers, then the frame on (or the outputs
         back). A failure frees the frame's sessions here and goes up ``sink`` naming them.
         """
+        tally = Tally()
         with self.gate.passing():
-            self._accept_one(frame, sink)
+            self._accept_one(frame, sink, tally)
+        self.metrics.record(tally)
 
-    def _accept_one(self, frame: Frame, sink: Sink) -> None:
-        self._observe_latency(frame)
+    def _accept_one(self, frame: Frame, sink: Sink, tally: Tally) -> None:
+        self._observe_latency(frame, tally)
         try:
-            entries = self._prepare(frame.step)
+            entries = self._prepare(frame.step, tally)
         except SkippyError as exc:
             self._refuse(frame, exc, sink)
             return
-        self._finish(frame, entries, sink)
+        self._finish(frame, entries, sink, tally)
 
     def accept_frames(self, frames: list[Frame], sink: Sink) -> None:
         """Frames that arrived together on one edge: run in one llama_decode, then each passed
@@ -397,17 +393,19 @@ class Stage:
         that fails its checks is answered alone; if the joint decode is refused (say, a session
         of one frame has no lane), each frame runs on its own, so one bad frame never fails
         another (the runtime rolls a refused batch back entirely)."""
+        tally = Tally()
         with self.gate.passing():
             if len(frames) == 1:
-                self._accept_one(frames[0], sink)
+                self._accept_one(frames[0], sink, tally)
             else:
-                self._accept_together(frames, sink)
+                self._accept_together(frames, sink, tally)
+        self.metrics.record(tally)
 
-    def _accept_together(self, frames: list[Frame], sink: Sink) -> None:
+    def _accept_together(self, frames: list[Frame], sink: Sink, tally: Tally) -> None:
         ready: list[tuple[Frame, list]] = []
         for frame in frames:
             try:
-                ready.append((frame, self._prepare(frame.step)))
+                ready.append((frame, self._prepare(frame.step, tally)))
             except SkippyError as exc:
                 self._refuse(frame, exc, sink)
         budget = self.config.n_batch
@@ -422,36 +420,37 @@ class Stage:
             budget -= tokens
         for group in groups:
             for frame, _ in group:
-                self._observe_latency(frame)
+                self._observe_latency(frame, tally)
             if len(group) == 1:
-                self._finish(group[0][0], group[0][1], sink)
+                self._finish(group[0][0], group[0][1], sink, tally)
                 continue
             self.metrics.coalesced_frames.inc(len(group))
             try:
-                results = self._compute([e for _, entries in group for e in entries])
+                results = self._compute([e for _, entries in group for e in entries], tally)
             except SkippyError:
                 for frame, entries in group:
-                    self._finish(frame, entries, sink)
+                    self._finish(frame, entries, sink, tally)
                 continue
             offset = 0
             for frame, entries in group:
                 mine, offset = results[offset:offset + len(entries)], offset + len(entries)
-                self._send_on(frame, mine, sink)
+                self._send_on(frame, mine, sink, tally)
 
-    def _observe_latency(self, frame: Frame) -> None:
+    @staticmethod
+    def _observe_latency(frame: Frame, tally: Tally) -> None:
         if frame.sent_unix_ns:
-            self.metrics.hop_latency_seconds.observe(max(0.0, (time.time_ns() - frame.sent_unix_ns) / 1e9))
+            tally.latencies.append(max(0.0, (time.time_ns() - frame.sent_unix_ns) / 1e9))
 
-    def _finish(self, frame: Frame, entries, sink: Sink) -> None:
+    def _finish(self, frame: Frame, entries, sink: Sink, tally: Tally) -> None:
         """Run one checked frame alone and pass it on (errors go up ``sink``)."""
         try:
-            results = self._compute(entries)
+            results = self._compute(entries, tally)
         except SkippyError as exc:
             self._refuse(frame, exc, sink)
             return
-        self._send_on(frame, results, sink)
+        self._send_on(frame, results, sink, tally)
 
-    def _send_on(self, frame: Frame, results, sink: Sink) -> None:
+    def _send_on(self, frame: Frame, results, sink: Sink, tally: Tally) -> None:
         step = frame.step
         downstream = self.downstream
         incoming = step.return_key
@@ -459,8 +458,8 @@ class Stage:
             if downstream is not None:
                 step.return_key = self.routes.claim(incoming, sink, frame.hop_id)
             self._pass_on(step, results, downstream, relay=frame.relay, remaining_s=frame.timeout_s or None, sink=sink,
-                          hop_id=frame.hop_id)
-            self.metrics.requests(rpc="Frame", code="OK").inc()
+                          tally=tally, hop_id=frame.hop_id)
+            tally.frames_ok += 1
         except SkippyError as exc:
             if step.return_key != incoming:  # the frame never left: answer under the key it came with
                 self.routes.take(step.return_key)
@@ -502,10 +501,11 @@ class Stage:
         outcome = HopFuture()
         key = ""
         sessions: list[str] = []
+        tally = Tally()
         try:
             with self.gate.passing():  # from compute to the frame's send, as for a frame from above
-                entries = self._prepare(step)
-                results = self._compute(entries)
+                entries = self._prepare(step, tally)
+                results = self._compute(entries, tally)
                 downstream = self.downstream
                 if downstream is None:
                     outputs = outputs_from_results(results, self.config.stage_id)
@@ -516,7 +516,8 @@ class Stage:
                     timeout = downstream.timeout_for(remaining_s)
                     started = time.perf_counter()
                     try:
-                        self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None)
+                        self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None,
+                                      tally=tally)
                     except SkippyError as exc:
                         # freed before the pass ends: a hand-off must not list a session that failed
                         self._failed(exc, sessions, step.request_id)
@@ -524,6 +525,7 @@ class Stage:
                         raise
             if on_sent is not None:
                 on_sent()  # while the stages below work: the head's side jobs (the client's stream)
+            self.metrics.record(tally)
             if downstream is None:
                 return outputs
             try:
@@ -539,6 +541,7 @@ class Stage:
                 self._failed(exc, sessions, step.request_id)
             raise
         finally:
+            self.metrics.record(tally)  # what a failed step computed (empty once recorded after the send)
             if key:
                 self.returns.forget(key)
 
