@@ -7,6 +7,7 @@ from their owners at scrape time, so there is no second copy of that state to dr
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -41,8 +42,9 @@ class StageMetrics:
     def __init__(self, stage_id: str) -> None:
         self.registry = CollectorRegistry()
         r, s = self.registry, {"stage_id": stage_id}
-        self.requests = Counter("skippy_requests", "RPCs handled, by method and status code", ["rpc", "code"],
-                                registry=r).labels  # type: ignore[assignment]
+        # Children looked up once per label set (``labels`` validates and locks on every call).
+        self.requests = lru_cache(Counter("skippy_requests", "RPCs handled, by method and status code",
+                                          ["rpc", "code"], registry=r).labels)  # type: ignore[assignment]
         self.batch_entries = Histogram("skippy_batch_entries", "Sessions (entries) per batch", buckets=_ENTRY_BUCKETS,
                                        registry=r)
         self.batch_tokens = Histogram("skippy_batch_tokens", "Tokens per batch", buckets=_TOKEN_BUCKETS, registry=r)
@@ -59,11 +61,14 @@ class StageMetrics:
                                         "llama_decode with others", registry=r)
         self.activation_bytes = Counter("skippy_activation_bytes", "Activation payload bytes, by direction and codec",
                                         ["direction", "codec"], registry=r)
+        self._activation = lru_cache(self.activation_bytes.labels)
         self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",
                                         ["failed_stage"], registry=r)
         self.returns = Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
                                "(direct: straight from the final stage; relay: back up through the stages) or, at "
-                               "the final stage, how they left (sent: straight to the head; relayed: up the edge)", ["path"], registry=r).labels  # type: ignore[assignment]
+                               "the final stage, how they left (sent: straight to the head; relayed: up the edge)",
+                               ["path"], registry=r).labels  # type: ignore[assignment]
+        self.returns = lru_cache(self.returns)  # type: ignore[assignment]
         self.prefix_cache_hits = Counter("skippy_prefix_cache_hits", "New sessions at the head that started "
                                          "from a resident prefix", registry=r)
         self.prefix_cache_misses = Counter("skippy_prefix_cache_misses", "New sessions at the head that prefilled "
@@ -112,9 +117,9 @@ class StageMetrics:
                 self.session_forks.inc(len(forks))
                 self.fork_tokens_copied.inc(sum(forks))
         for codec, n in tally.received:
-            self.activation_bytes.labels("received", codec).inc(n)
+            self._activation("received", codec).inc(n)
         for codec, n in tally.sent:
-            self.activation_bytes.labels("sent", codec).inc(n)
+            self._activation("sent", codec).inc(n)
         if tally.frames_ok:
             self.requests(rpc="Frame", code="OK").inc(tally.frames_ok)
         for path in tally.returns:

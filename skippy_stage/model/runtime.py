@@ -656,7 +656,7 @@ class StageRuntime:
     def _sampler_for(self, session_id: str, params: SamplingParams, history: list[int],
                      draws: int = 0) -> _SessionSampler:
         state = self._samplers.get(session_id)
-        if state is None or state.chain.params != params:
+        if state is None or (state.chain.params is not params and state.chain.params != params):
             if state is not None:
                 self._samplers.pop(session_id).chain.close()
             chain = SamplerChain(params, self.n_vocab, self._vocab)

@@ -79,6 +79,22 @@ def _sampling_of(msg: pb.SamplingParams) -> SamplingParams:
     return params
 
 
+# The reverse, for the head: a session's SamplingParams object goes out with every token.
+# Keyed by id, the object kept beside its message so a reused id cannot match.
+_SAMPLING_SENT: dict[int, tuple[SamplingParams, pb.SamplingParams]] = {}
+
+
+def _sampling_msg(params: SamplingParams) -> pb.SamplingParams:
+    seen = _SAMPLING_SENT.get(id(params))
+    if seen is not None and seen[0] is params:
+        return seen[1]
+    msg = sampling_to_pb(params)
+    if len(_SAMPLING_SENT) >= _SAMPLING_SEEN_MAX:
+        _SAMPLING_SENT.clear()
+    _SAMPLING_SENT[id(params)] = (params, msg)
+    return msg
+
+
 def sampling_to_pb(params: SamplingParams | None) -> pb.SamplingParams:
     p = params or SamplingParams()
     msg = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p,
@@ -153,7 +169,7 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
     if e.token_ids is not None:
         msg.token_ids.extend(_list(e.token_ids))
     if e.sampling is not None:
-        msg.sampling.CopyFrom(sampling_to_pb(e.sampling))
+        msg.sampling.CopyFrom(_sampling_msg(e.sampling))
     if e.prefix_id is not None:
         msg.prefix_id = e.prefix_id
     msg.rewind, msg.verify, msg.all_rows = e.rewind, e.verify, e.all_rows
