@@ -229,12 +229,17 @@ def logprobs_to_pb(items: tuple[TokenLogprob, ...] | None, into) -> None:
                  top_logprobs=[v for _, v in lp.top])
 
 
-def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
+def outputs_to_pb(outputs: Outputs, into: pb.IterationBatchResponse | None = None) -> pb.IterationBatchResponse:
+    """``into``: the message to write them in (a message handed to a constructor is copied)."""
     if outputs.wire is not None:
-        return outputs.wire  # read from the wire and unchanged: no second encoding of the logits
-    msgs = []
+        # read from the wire and unchanged: no second encoding of the logits
+        if into is None:
+            return outputs.wire
+        into.CopyFrom(outputs.wire)
+        return into
+    msg = pb.IterationBatchResponse() if into is None else into
     for o in outputs.outputs:
-        out = pb.EntryOutput(session_id=o.session_id)
+        out = msg.outputs.add(session_id=o.session_id)
         if o.token is not None:
             out.has_token = True
             out.token = o.token
@@ -244,8 +249,8 @@ def outputs_to_pb(outputs: Outputs) -> pb.IterationBatchResponse:
             out.tokens.extend(o.tokens)
         logprobs_to_pb(o.logprobs, out.logprobs)
         logprobs_to_pb(o.prompt_logprobs, out.prompt_logprobs)
-        msgs.append(out)
-    return pb.IterationBatchResponse(outputs=msgs, final_stage_id=outputs.final_stage_id)
+    msg.final_stage_id = outputs.final_stage_id
+    return msg
 
 
 # -- an edge -------------------------------------------------------------------------
@@ -273,12 +278,14 @@ def reply_to_pb(reply: Reply) -> pb.HopReply:
     msg = pb.HopReply(hop_id=reply.hop_id, return_key=reply.return_key, code=_CODE_VALUE.get(reply.code, 2),
                       message=reply.message, failed_stage=reply.failed_stage, session_ids=list(reply.session_ids))
     if reply.outputs is not None:
-        msg.response.CopyFrom(outputs_to_pb(reply.outputs))
+        outputs_to_pb(reply.outputs, msg.response)
     return msg
 
 
 def returned_to_pb(key: str, outputs: Outputs) -> pb.ReturnedBatch:
-    return pb.ReturnedBatch(return_key=key, response=outputs_to_pb(outputs))
+    msg = pb.ReturnedBatch(return_key=key)
+    outputs_to_pb(outputs, msg.response)
+    return msg
 
 
 # -- reports -------------------------------------------------------------------------

@@ -230,3 +230,17 @@ def test_equal_split_matches_a_transliteration_of_llama_cpp_on_random_batches() 
             seq_ids,
             n_ubatch,
         )
+
+
+def test_one_sequence_is_computed_in_batch_order_by_either_split() -> None:
+    """A single-stream decode's batch holds one sequence: its rows come back in batch order, so
+    the runtime copies them as they are (no reordering on the hot path)."""
+    from skippy_stage.model.ubatch import in_batch_order
+
+    assert in_batch_order([3, 3, 3]) and in_batch_order([0])
+    assert not in_batch_order([0, 1]) and not in_batch_order([1, 1, 0])
+    for n in range(1, 20):
+        for n_ubatch in (1, 3, 8, 512):
+            chunks = compute_order([2] * n, n_ubatch, equal_split=False)
+            assert compute_order([2] * n, n_ubatch, equal_split=True) == chunks == _split_equal_reference([2] * n,
+                                                                                                           n_ubatch)

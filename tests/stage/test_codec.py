@@ -133,3 +133,32 @@ def test_a_frame_at_the_head_and_none_below_it_are_refused():
     bare.frame = None
     with pytest.raises(InvalidRequestError, match=r"frame is required at stage stage-1 \(layer_start=10\)"):
         runtime_entries(bare, SHAPE)
+
+
+def test_sampling_settings_that_travel_with_every_token_are_parsed_once_and_never_mixed_up():
+    """A session sends the same sampling message with every token; each stage parses it once.
+    Different settings still get their own values, and the memo stays bounded."""
+    greedy = codec.sampling_to_pb(SamplingParams(temperature=0.0))
+    warm = codec.sampling_to_pb(SamplingParams(temperature=0.7, top_k=40, seed=3))
+
+    def entry(msg):
+        return codec.entry_from_pb(pb.BatchEntry(session_id="s", positions=[0], sample_last=True, sampling=msg))
+
+    first, again, other = entry(greedy).sampling, entry(greedy).sampling, entry(warm).sampling
+    assert first is again
+    assert other == SamplingParams(temperature=np.float32(0.7).item(), top_k=40, seed=3)
+    assert first == SamplingParams(temperature=0.0)
+    for seed in range(3 * codec._SAMPLING_SEEN_MAX):
+        assert entry(codec.sampling_to_pb(SamplingParams(seed=seed))).sampling.seed == seed
+    assert len(codec._SAMPLING_SEEN) <= codec._SAMPLING_SEEN_MAX
+
+
+def test_the_heads_sampling_message_is_built_once_per_settings_object():
+    """The head's entries carry one session's SamplingParams object step after step."""
+    params = SamplingParams(temperature=0.5, seed=9)
+    one = codec.entry_to_pb(StepEntry("s", [4], [1], PHASE_DECODE, sample_last=True, sampling=params))
+    two = codec.entry_to_pb(StepEntry("s", [5], [2], PHASE_DECODE, sample_last=True, sampling=params))
+    assert one.sampling == two.sampling == codec.sampling_to_pb(params)
+    assert codec._sampling_msg(params) is codec._sampling_msg(params)
+    other = SamplingParams(temperature=0.5, seed=10)
+    assert codec.entry_to_pb(StepEntry("s", [4], [1], PHASE_DECODE, sample_last=True, sampling=other)).sampling.seed == 10
