@@ -19,7 +19,6 @@ unacknowledged.
 from __future__ import annotations
 
 import enum
-import select
 import socket
 import ssl
 import struct
@@ -74,15 +73,24 @@ def encode(kind: Kind, message) -> bytes:  # message: one of MESSAGE_TYPES
     return _HEADER.pack(len(body) + 1, kind) + body
 
 
+# Bytes asked of the socket per read: whatever has arrived, up to this, in one system call.
+_READ_CHUNK = 1 << 16
+
+
 class FrameSocket:
     """One connected socket: whole messages in and out. Sends are serialised by a lock
-    (several threads may send on one link); reading belongs to one thread."""
+    (several threads may send on one link); reading belongs to one thread.
+
+    Reads are buffered: one ``recv`` takes whatever has arrived, so a frame usually costs one
+    system call (a header then a body took two, and asking whether another had come a third),
+    and messages that arrived together are known to be there without asking the kernel.
+    """
 
     def __init__(self, sock: socket.socket, *, max_message_bytes: int) -> None:
         self.sock = sock
         self.max_message_bytes = max_message_bytes
         self._send_lock = threading.Lock()
-        self._header = bytearray(_HEADER.size)
+        self._inbox = bytearray()  # read from the socket, not yet returned
 
     def send(self, kind: Kind, message) -> None:
         data = encode(kind, message)
@@ -92,41 +100,49 @@ class FrameSocket:
         except OSError as exc:
             raise LinkClosed(f"send failed: {exc}") from exc
 
-    def _read_exact(self, buffer: bytearray | memoryview, n: int) -> None:
-        view = memoryview(buffer)
-        got = 0
-        while got < n:
+    def _fill(self, need: int) -> None:
+        """Read until ``need`` bytes are buffered."""
+        inbox = self._inbox
+        while len(inbox) < need:
             try:
-                k = self.sock.recv_into(view[got:n])
+                chunk = self.sock.recv(max(_READ_CHUNK, need - len(inbox)))
             except OSError as exc:
                 raise LinkClosed(f"receive failed: {exc}") from exc
-            if k == 0:
+            if not chunk:
                 raise LinkClosed("closed by the peer")
-            got += k
+            inbox += chunk
 
-    def receive(self) -> tuple[int, bytes]:
-        """The next message's kind and body; InvalidRequestError for one too large to read
-        (the link is then out of step and must be closed), LinkClosed when it ends."""
-        self._read_exact(self._header, _HEADER.size)
-        length, kind = _HEADER.unpack(self._header)
+    def _length(self) -> int:
+        """The buffered next message's length field, checked (the header must be buffered)."""
+        length, _ = _HEADER.unpack_from(self._inbox)
         if length == 0:
             raise InvalidRequestError("frame message length is 0 (it must include the kind byte)")
         if length - 1 > self.max_message_bytes:
             raise InvalidRequestError(f"frame message of {length - 1} bytes exceeds max_message_bytes="
                                       f"{self.max_message_bytes}")
-        body = bytearray(length - 1)
-        self._read_exact(body, length - 1)
-        return kind, bytes(body)
+        return length
+
+    def receive(self) -> tuple[int, bytes]:
+        """The next message's kind and body; InvalidRequestError for one too large to read
+        (the link is then out of step and must be closed), LinkClosed when it ends."""
+        self._fill(_HEADER.size)
+        end = _HEADER.size - 1 + self._length()
+        self._fill(end)
+        inbox = self._inbox
+        kind, body = inbox[_HEADER.size - 1], bytes(inbox[_HEADER.size:end])
+        del inbox[:end]
+        return kind, body
 
     def readable(self) -> bool:
-        """Whether more bytes have arrived already (so a receive would not wait for the peer)."""
-        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
-            return True
-        try:
-            ready, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return bool(ready)
+        """Whether a whole message is here already (so a receive would not wait for the peer).
+        Only what one read brought in counts: a message still arriving is waited for by the
+        next receive, not by the ones already here."""
+        if len(self._inbox) >= _HEADER.size:
+            try:
+                return len(self._inbox) >= _HEADER.size - 1 + self._length()
+            except InvalidRequestError:
+                return True  # the receive says what is wrong with it
+        return isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
 
     def close(self) -> None:
         try:
