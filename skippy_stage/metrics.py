@@ -19,7 +19,7 @@ _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 
 
 class Tally:
     """What one frame (or step) did on its way through a stage, recorded once its output has
-    left (``StageMetrics.record``).
+    left (``StageMetrics.record``). (Failures are counted where they happen: off the fast path.)
 
     A metric update takes a lock and walks its buckets. On the path from a frame's bytes in
     to the next frame's bytes out that work is paid at every stage for every token, on caches
@@ -64,11 +64,10 @@ class StageMetrics:
         self._activation = lru_cache(self.activation_bytes.labels)
         self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",
                                         ["failed_stage"], registry=r)
-        self.returns = Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
+        self.returns = lru_cache(Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
                                "(direct: straight from the final stage; relay: back up through the stages) or, at "
                                "the final stage, how they left (sent: straight to the head; relayed: up the edge)",
-                               ["path"], registry=r).labels  # type: ignore[assignment]
-        self.returns = lru_cache(self.returns)  # type: ignore[assignment]
+                               ["path"], registry=r).labels)  # type: ignore[assignment]
         self.prefix_cache_hits = Counter("skippy_prefix_cache_hits", "New sessions at the head that started "
                                          "from a resident prefix", registry=r)
         self.prefix_cache_misses = Counter("skippy_prefix_cache_misses", "New sessions at the head that prefilled "

@@ -31,7 +31,7 @@ def in_batch_order(seq_ids: Sequence[int]) -> bool:
 def compute_order(seq_ids: Sequence[int], n_ubatch: int, *, equal_split: bool) -> list[list[int]]:
     """Batch indices of each micro-batch, in the order llama.cpp computes them."""
     n = len(seq_ids)
-    if not equal_split or in_batch_order(seq_ids):
+    if not equal_split:
         return [list(range(start, min(start + n_ubatch, n))) for start in range(0, n, n_ubatch)]
 
     per_seq: dict[int, list[int]] = {}

@@ -63,13 +63,18 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 
 
 # Parsed sampling messages by their bytes: a session sends the same settings with every token,
-# to every stage, and parsing them costs a dozen field reads each time. Bounded; a miss parses.
+# to every stage, and parsing them costs a dozen field reads each time. Bounded in entries and
+# in size (a message with a grammar is parsed every time: a peer could send large ones); a miss
+# parses.
 _SAMPLING_SEEN: dict[bytes, SamplingParams] = {}
 _SAMPLING_SEEN_MAX = 512
+_SAMPLING_SEEN_BYTES = 512
 
 
 def _sampling_of(msg: pb.SamplingParams) -> SamplingParams:
     key = msg.SerializeToString()
+    if len(key) > _SAMPLING_SEEN_BYTES:
+        return sampling_from_pb(msg)
     params = _SAMPLING_SEEN.get(key)
     if params is None:
         params = sampling_from_pb(msg)

@@ -101,16 +101,36 @@ class FrameSocket:
             raise LinkClosed(f"send failed: {exc}") from exc
 
     def _fill(self, need: int) -> None:
-        """Read until ``need`` bytes are buffered."""
+        """Read until ``need`` bytes are buffered: small reads take whatever has arrived; the
+        rest of a large body is read straight into its place."""
         inbox = self._inbox
         while len(inbox) < need:
+            if need - len(inbox) > _READ_CHUNK:
+                self._fill_in_place(need)
+                return
             try:
-                chunk = self.sock.recv(max(_READ_CHUNK, need - len(inbox)))
+                chunk = self.sock.recv(_READ_CHUNK)
             except OSError as exc:
                 raise LinkClosed(f"receive failed: {exc}") from exc
             if not chunk:
                 raise LinkClosed("closed by the peer")
             inbox += chunk
+
+    def _fill_in_place(self, need: int) -> None:
+        inbox = self._inbox
+        got = len(inbox)
+        inbox += bytes(need - got)
+        try:
+            with memoryview(inbox) as view:
+                while got < need:
+                    k = self.sock.recv_into(view[got:need])
+                    if k == 0:
+                        raise LinkClosed("closed by the peer")
+                    got += k
+        except OSError as exc:
+            raise LinkClosed(f"receive failed: {exc}") from exc
+        finally:
+            del inbox[got:]
 
     def _length(self) -> int:
         """The buffered next message's length field, checked (the header must be buffered)."""
@@ -129,7 +149,8 @@ class FrameSocket:
         end = _HEADER.size - 1 + self._length()
         self._fill(end)
         inbox = self._inbox
-        kind, body = inbox[_HEADER.size - 1], bytes(inbox[_HEADER.size:end])
+        with memoryview(inbox) as view:
+            kind, body = inbox[_HEADER.size - 1], bytes(view[_HEADER.size:end])
         del inbox[:end]
         return kind, body
 
@@ -137,12 +158,17 @@ class FrameSocket:
         """Whether a whole message is here already (so a receive would not wait for the peer).
         Only what one read brought in counts: a message still arriving is waited for by the
         next receive, not by the ones already here."""
-        if len(self._inbox) >= _HEADER.size:
-            try:
-                return len(self._inbox) >= _HEADER.size - 1 + self._length()
-            except InvalidRequestError:
-                return True  # the receive says what is wrong with it
-        return isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0:
+            try:  # decrypted already: taking it cannot wait for the peer
+                self._inbox += self.sock.recv(self.sock.pending())
+            except (OSError, ValueError):
+                return True  # the receive says what went wrong
+        if len(self._inbox) < _HEADER.size:
+            return False
+        try:
+            return len(self._inbox) >= _HEADER.size - 1 + self._length()
+        except InvalidRequestError:
+            return True  # the receive says what is wrong with it
 
     def close(self) -> None:
         try:

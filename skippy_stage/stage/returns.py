@@ -8,13 +8,12 @@ head cannot be reached just now — they travel back up the edges' back channels
 per stage. Errors always travel the back channels, so every stage on the way frees the
 failed sessions (``Stage._from_below``).
 
-Keys are unique per step and unguessable (a random prefix per stage, then a count), so a
-stale or forged return cannot settle another step.
+Keys are random per step, so a stale or forged return cannot settle another step (and a
+client that saw one key cannot work out the next: keys travel down through every stage).
 """
 
 from __future__ import annotations
 
-import itertools
 import queue
 import secrets
 import threading
@@ -46,11 +45,9 @@ class ReturnBox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting: dict[str, HopFuture] = {}
-        self._prefix = secrets.token_hex(12)
-        self._count = itertools.count()
 
     def expect(self, future: HopFuture) -> str:
-        key = f"{self._prefix}{next(self._count):08x}"
+        key = secrets.token_hex(16)  # as random as a UUID, without building one per step
         with self._lock:
             self._waiting[key] = future
         return key

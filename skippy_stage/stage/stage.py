@@ -374,9 +374,11 @@ class Stage:
         back). A failure frees the frame's sessions here and goes up ``sink`` naming them.
         """
         tally = Tally()
-        with self.gate.passing():
-            self._accept_one(frame, sink, tally)
-        self.metrics.record(tally)
+        try:
+            with self.gate.passing():
+                self._accept_one(frame, sink, tally)
+        finally:
+            self.metrics.record(tally)
 
     def _accept_one(self, frame: Frame, sink: Sink, tally: Tally) -> None:
         self._observe_latency(frame, tally)
@@ -394,12 +396,14 @@ class Stage:
         of one frame has no lane), each frame runs on its own, so one bad frame never fails
         another (the runtime rolls a refused batch back entirely)."""
         tally = Tally()
-        with self.gate.passing():
-            if len(frames) == 1:
-                self._accept_one(frames[0], sink, tally)
-            else:
-                self._accept_together(frames, sink, tally)
-        self.metrics.record(tally)
+        try:
+            with self.gate.passing():
+                if len(frames) == 1:
+                    self._accept_one(frames[0], sink, tally)
+                else:
+                    self._accept_together(frames, sink, tally)
+        finally:
+            self.metrics.record(tally)
 
     def _accept_together(self, frames: list[Frame], sink: Sink, tally: Tally) -> None:
         ready: list[tuple[Frame, list]] = []

@@ -137,7 +137,8 @@ def test_a_frame_at_the_head_and_none_below_it_are_refused():
 
 def test_sampling_settings_that_travel_with_every_token_are_parsed_once_and_never_mixed_up():
     """A session sends the same sampling message with every token; each stage parses it once.
-    Different settings still get their own values, and the memo stays bounded."""
+    Different settings still get their own values, and the memo stays bounded in entries and
+    in bytes."""
     greedy = codec.sampling_to_pb(SamplingParams(temperature=0.0))
     warm = codec.sampling_to_pb(SamplingParams(temperature=0.7, top_k=40, seed=3))
 
@@ -151,6 +152,9 @@ def test_sampling_settings_that_travel_with_every_token_are_parsed_once_and_neve
     for seed in range(3 * codec._SAMPLING_SEEN_MAX):
         assert entry(codec.sampling_to_pb(SamplingParams(seed=seed))).sampling.seed == seed
     assert len(codec._SAMPLING_SEEN) <= codec._SAMPLING_SEEN_MAX
+    grammar = codec.sampling_to_pb(SamplingParams(grammar="root ::= " + '"a" ' * 400))
+    assert entry(grammar).sampling.grammar.startswith("root ::=")
+    assert grammar.SerializeToString() not in codec._SAMPLING_SEEN  # large messages are not kept
 
 
 def test_the_heads_sampling_message_is_built_once_per_settings_object():

@@ -65,3 +65,15 @@ def test_a_peer_that_closes_mid_message_ends_the_link():
     raw.close()
     with pytest.raises(framing.LinkClosed, match="closed by the peer"):
         link.receive()
+
+
+def test_a_large_body_arriving_in_pieces_comes_out_whole_and_so_does_the_next():
+    raw, link = pair(max_message_bytes=1 << 24)
+    big = pb.HopRequest(hop_id=3)
+    big.request.frame.payload = bytes(range(256)) * 8000  # a 512-token prefill frame is ~1.2 MB
+    data = framing.encode(framing.Kind.HOP_REQUEST, big) + framing.encode(framing.Kind.HELLO, hello(4))
+    sender = threading.Thread(target=lambda: [raw.sendall(data[i : i + 50_000]) for i in range(0, len(data), 50_000)])
+    sender.start()
+    assert framing.parse(*link.receive(), framing.Kind.HOP_REQUEST) == big
+    assert framing.parse(*link.receive(), framing.Kind.HELLO) == hello(4)
+    sender.join()

@@ -37,8 +37,8 @@ def test_each_step_gets_its_own_random_key_and_the_first_answer_wins():
 
 
 def test_keys_are_unique_per_step_and_differ_between_stages():
-    """A count after a random prefix: never the same key twice in one box, and another stage's
-    box (or a restarted one) cannot produce this one's keys."""
+    """Random per step: never the same key twice in one box, and no stage's keys predict
+    another's (or the next one)."""
     one, other = ReturnBox(), ReturnBox()
     keys = [one.expect(HopFuture()) for _ in range(2000)]
     assert len(set(keys)) == 2000 and all(len(k) == 32 for k in keys)
