@@ -22,9 +22,10 @@ class Tally:
     left (``StageMetrics.record``). (Failures are counted where they happen: off the fast path.)
 
     A metric update takes a lock and walks its buckets. On the path from a frame's bytes in
-    to the next frame's bytes out that work is paid at every stage for every token, on caches
-    the stage's own layers just evicted, where it costs 3-10x its hot price (measured); after
-    the send it overlaps the next stage's compute.
+    to the next frame's bytes out that work is paid in series at every stage for every token,
+    on caches the stage's own layers just evicted, where it costs 3-10x its hot price
+    (measured); after the send it is off that path (on shared cores it still takes CPU from the
+    next stage's compute, so it is kept small too).
     """
 
     __slots__ = ("latencies", "computes", "received", "sent", "frames_ok", "returns")

@@ -64,8 +64,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 
 # Parsed sampling messages by their bytes: a session sends the same settings with every token,
 # to every stage, and parsing them costs a dozen field reads each time. Bounded in entries and
-# in size (a message with a grammar is parsed every time: a peer could send large ones); a miss
-# parses.
+# in size (a large message — a grammar, a long logit_bias — is parsed every time: a peer could
+# send many); a miss parses.
 _SAMPLING_SEEN: dict[bytes, SamplingParams] = {}
 _SAMPLING_SEEN_MAX = 512
 _SAMPLING_SEEN_BYTES = 512
@@ -85,7 +85,7 @@ def _sampling_of(msg: pb.SamplingParams) -> SamplingParams:
 
 
 # The reverse, for the head: a session's SamplingParams object goes out with every token.
-# Keyed by id, the object kept beside its message so a reused id cannot match.
+# Keyed by id, the object kept beside its message so a reused id cannot match; bounded as above.
 _SAMPLING_SENT: dict[int, tuple[SamplingParams, pb.SamplingParams]] = {}
 
 
@@ -94,6 +94,8 @@ def _sampling_msg(params: SamplingParams) -> pb.SamplingParams:
     if seen is not None and seen[0] is params:
         return seen[1]
     msg = sampling_to_pb(params)
+    if msg.ByteSize() > _SAMPLING_SEEN_BYTES:
+        return msg
     if len(_SAMPLING_SENT) >= _SAMPLING_SEEN_MAX:
         _SAMPLING_SENT.clear()
     _SAMPLING_SENT[id(params)] = (params, msg)

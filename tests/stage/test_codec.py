@@ -164,5 +164,8 @@ def test_the_heads_sampling_message_is_built_once_per_settings_object():
     two = codec.entry_to_pb(StepEntry("s", [5], [2], PHASE_DECODE, sample_last=True, sampling=params))
     assert one.sampling == two.sampling == codec.sampling_to_pb(params)
     assert codec._sampling_msg(params) is codec._sampling_msg(params)
+    grammar = SamplingParams(grammar="root ::= " + '"a" ' * 400)
+    assert codec._sampling_msg(grammar) == codec.sampling_to_pb(grammar)
+    assert id(grammar) not in codec._SAMPLING_SENT  # large settings are not kept
     other = SamplingParams(temperature=0.5, seed=10)
     assert codec.entry_to_pb(StepEntry("s", [4], [1], PHASE_DECODE, sample_last=True, sampling=other)).sampling.seed == 10
