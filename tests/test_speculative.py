@@ -191,6 +191,20 @@ def test_adaptive_k_stops_drafting_while_drafts_are_rejected_and_probes_to_start
     assert fixed.next_k() == 4
 
 
+def test_adaptive_k_grows_by_two_while_every_draft_is_kept_and_shrinks_by_one_on_a_rejection():
+    from skippy_stage.head.drafting import DraftBudget
+
+    budget = DraftBudget(k=8, adaptive=True)
+    seen = [budget.next_k()]
+    for _ in range(3):
+        budget.record(drafted=seen[-1], accepted=seen[-1])
+        seen.append(budget.next_k())
+    assert seen == [4, 6, 8, 8], "from 4, two more per fully kept step, never past k"
+    budget.record(drafted=8, accepted=7)
+    assert budget.next_k() == 7
+    assert DraftBudget(k=2, adaptive=True).next_k() == 2, "never more than k, even at the start"
+
+
 @pytest.mark.parametrize("settings, field", [
     ({"drafter": "mtp"}, "native multi-token-prediction heads are not supported"),
     ({"drafter": "ngram", "k": 99}, "speculative.k=99"),

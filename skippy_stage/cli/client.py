@@ -36,7 +36,7 @@ def speculative_flags(args: argparse.Namespace) -> dict[str, object]:
 def add_speculative_flags(p: argparse.ArgumentParser, *, model: bool) -> None:
     p.add_argument("--speculative", choices=("none", "ngram", "model"), default=None,
                    help="draft tokens to verify several per trip: ngram (prompt lookup) or model (a draft GGUF)")
-    p.add_argument("--draft-k", type=int, default=None, help="most tokens drafted per step (default 4)")
+    p.add_argument("--draft-k", type=int, default=None, help="most tokens drafted per step (default 8)")
     p.add_argument("--draft-ngram", type=int, default=None,
                    help="ngram drafter: longest n-gram looked up (default 2, LlamaPromptLookupDecoding's)")
     if model:

@@ -127,28 +127,40 @@ class ModelDrafter:
 class DraftBudget:
     """Adaptive k for one session. A drafted row costs the chain about a third to a half of a
     one-row trip on a CPU (``bench``: the layers and the output head run on every row), and saves a
-    trip when it is kept, so drafting pays while the share of drafted tokens kept stays above that.
-    Below ``FLOOR`` (an average over the last steps) the session stops drafting, and drafts one
-    token every ``PROBE_EVERY`` steps to notice when its text turns repetitive; above it, full k.
-    Off: always k."""
+    trip when it is kept. So the session drafts ``START`` tokens, two more after a step whose
+    drafts were all kept (up to ``k``: a quote or a code edit keeps dozens in a row) and one fewer
+    after a rejection; and while the share of drafted tokens kept (an average over the last steps)
+    is below ``FLOOR`` it stops drafting, drafting one token every ``PROBE_EVERY`` steps to notice
+    when its text turns repetitive. Off: always k."""
 
     k: int
     adaptive: bool
     kept: float = 1.0  # moving average of accepted / drafted per step
     idle_steps: int = 0
+    now: int = 0  # adaptive: tokens to draft next while drafting pays (set on first use)
     FLOOR = 0.4
     PROBE_EVERY = 8
     WEIGHT = 0.3
+    START = 4
+    GROW = 2
 
     def next_k(self) -> int:
-        if not self.adaptive or self.kept >= self.FLOOR:
+        if not self.adaptive:
             return self.k
-        self.idle_steps += 1
-        return 1 if self.idle_steps % self.PROBE_EVERY == 0 else 0
+        if self.kept < self.FLOOR:
+            self.idle_steps += 1
+            return 1 if self.idle_steps % self.PROBE_EVERY == 0 else 0
+        if self.now == 0:
+            self.now = min(self.k, self.START)
+        return self.now
 
     def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.kept += self.WEIGHT * (accepted / drafted - self.kept)
+        if not drafted:
+            return
+        self.kept += self.WEIGHT * (accepted / drafted - self.kept)
+        if self.adaptive:
+            now = self.now or min(self.k, self.START)
+            self.now = min(self.k, now + self.GROW) if accepted == drafted else max(1, now - 1)
 
 
 class Drafters:

@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import hashlib
 import json
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ import llama_cpp
 import numpy as np
 import structlog
 
+from skippy_stage import tracing
 from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
 from skippy_stage.errors import (
     CapacityError,
@@ -52,7 +54,8 @@ from skippy_stage.model.tokenizer import Tokenizer
 from skippy_stage.model.ubatch import compute_order, in_batch_order
 
 log = structlog.get_logger("skippy_stage.runtime")
-
+# Distinct sampling settings remembered as checked (a bound, not a working-set size).
+_VALID_SAMPLING_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class StageRuntime:
         self.tokenizer = Tokenizer(self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._valid_sampling: dict[int, SamplingParams] = {}  # settings already checked, by identity
         self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
         n_embd_inp = int(llama_cpp.llama_model_n_embd_inp(self._model))
         if not config.include_embeddings and n_embd_inp != self.n_embd:
@@ -395,7 +399,9 @@ class StageRuntime:
                     raise InvalidRequestError(f"{where}.hidden has {h.shape[0]} rows for {pos.shape[0]} positions")
                 if h.dtype != np.float32:
                     raise InvalidRequestError(f"{where}.hidden dtype {h.dtype} is not float32")
-                if not np.isfinite(h).all():
+                # A sum is finite only if every value is (NaN and inf propagate); an overflowing
+                # sum of finite values falls through to the exact check.
+                if not math.isfinite(float(h.sum())) and not np.isfinite(h).all():
                     row = int(np.nonzero(~np.isfinite(h).all(axis=1))[0][0])
                     raise InvalidRequestError(f"{where}.hidden row {row} holds non-finite values (NaN or inf)")
             if e.prefix_id is not None and (not isinstance(e.prefix_id, str) or not e.prefix_id
@@ -409,12 +415,17 @@ class StageRuntime:
                                               f"prefix_id")
             if (e.sample or e.want_logits) and not cfg.include_output:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
-            if e.sample:
-                params = (e.sampling or SamplingParams()).validate()
+            if e.sample and e.sampling is not None and self._valid_sampling.get(id(e.sampling)) is not e.sampling:
+                params = e.sampling.validate()
                 bad = [t for t, _ in params.logit_bias if not 0 <= t < self.n_vocab]
                 if bad:
                     raise InvalidRequestError(f"{where}.sampling.logit_bias names token {bad[0]}, outside "
                                               f"[0, {self.n_vocab})")
+                if len(self._valid_sampling) >= _VALID_SAMPLING_KEPT:
+                    self._valid_sampling.clear()
+                # by identity (the object is kept, so its id is not reused): the head and the codec
+                # hand the same settings object to every step of a session
+                self._valid_sampling[id(e.sampling)] = e.sampling
             every_row = e.all_rows or e.verify or e.prompt_logprobs is not None
             outputs += int(pos.shape[0]) if every_row else int(e.sample or e.want_logits)
             if cfg.include_output and outputs > cfg.n_ubatch:
@@ -451,6 +462,7 @@ class StageRuntime:
         Raises InvalidRequestError / UnknownSessionError / SessionStateError /
         CapacityError before touching llama.cpp; the runtime stays usable after any of them.
         """
+        tracing.mark("rb0")
         checked = self._check(entries)
         with self._compute:
             rewinds = [(i, c) for i, c in enumerate(checked) if c.entry.rewind]
@@ -473,6 +485,7 @@ class StageRuntime:
                 raise
             for c in checked:
                 self.lanes.advance(c.entry.session_id, c.n)
+        tracing.mark("rb1")
         return results
 
     def _check_rewind(self, index: int, session_id: str, keep: int) -> None:
@@ -529,7 +542,9 @@ class StageRuntime:
         if self._capture is not None:
             self._capture.reset()
 
+        tracing.mark("d0")
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        tracing.mark("d1")
         if rc == 1:
             raise CapacityError(f"llama.cpp found no KV slot for a batch of {offset} tokens")
         if rc != 0:

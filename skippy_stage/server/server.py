@@ -14,6 +14,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from skippy_stage import tracing
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, DownstreamError
 from skippy_stage.security import BearerTokenInterceptor, Credentials
@@ -134,6 +135,7 @@ class StageServer:
 def serve(config: StageConfig, *, grace_s: float = 10.0, ready: Callable[[int], None] | None = None) -> int:
     """Run one stage until SIGTERM or SIGINT; returns the process exit code."""
     slog = log.bind(stage_id=config.stage_id, run_id=config.run_id)
+    tracing.label(f"stage{config.stage_index}")
     server = StageServer(config)
     server.start()
     slog.info("stage listening", port=server.port, bind_addr=config.bind_addr, state="loading")

@@ -24,6 +24,7 @@ import ssl
 import struct
 import threading
 
+from skippy_stage import tracing
 from skippy_stage.errors import InvalidRequestError
 from skippy_stage.security import Credentials
 from skippy_stage.v1 import stage_pb2 as pb
@@ -94,6 +95,7 @@ class FrameSocket:
 
     def send(self, kind: Kind, message) -> None:
         data = encode(kind, message)
+        tracing.mark("enc")
         try:
             with self._send_lock:
                 self.sock.sendall(data)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from skippy_stage import tracing
 from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, InvalidRequestError
 from skippy_stage.security import Credentials
@@ -106,7 +107,9 @@ class TcpHop:
     def send(self, frame: Frame) -> None:
         link = self._connect()
         try:
+            tracing.mark("s0")
             link.send(framing.Kind.HOP_REQUEST, codec.frame_to_pb(frame))
+            tracing.mark("s1")
         except framing.LinkClosed as exc:
             self._broke(link, str(exc))
             raise self._error(str(exc)) from None

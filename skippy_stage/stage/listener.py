@@ -21,6 +21,7 @@ import threading
 import grpc
 import structlog
 
+from skippy_stage import tracing
 from skippy_stage.errors import ConfigError, InvalidRequestError
 from skippy_stage.stage import codec, framing
 from skippy_stage.stage.stage import Stage, error_reply
@@ -151,6 +152,7 @@ class FrameListener:
                 while not frames or (len(frames) < MAX_COALESCED and link.readable()):
                     try:
                         kind, body = link.receive()
+                        tracing.mark("recv")
                     except InvalidRequestError as exc:
                         # Too large to read: the link is out of step. Say why, then close it.
                         sink(error_reply(exc, return_key="", session_ids=[], stage_id=stage.config.stage_id))
@@ -165,7 +167,9 @@ class FrameListener:
                         if not frames:
                             continue
                         break
+                tracing.mark("parsed")
                 stage.accept_frames(frames, sink)
+                tracing.mark("done")
         finally:
             stage.inbound.discard(sink)
 
@@ -173,6 +177,7 @@ class FrameListener:
         """The final stage's outputs, straight to the head's waiting steps."""
         while True:
             kind, body = link.receive()
+            tracing.mark("rrecv")
             try:
                 batch = framing.parse(kind, body, framing.Kind.RETURNED_BATCH)
             except InvalidRequestError as exc:
@@ -180,6 +185,7 @@ class FrameListener:
                 self.log.warning("undecodable return dropped", error=str(exc))
                 continue
             self.stage.deliver_return(batch.return_key, codec.outputs_from_pb(batch.response))
+            tracing.mark("rdeliv")
 
     def close(self) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ import time
 import grpc
 import structlog
 
+from skippy_stage import tracing
 from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, InvalidRequestError
 from skippy_stage.security import Credentials
@@ -147,7 +148,9 @@ class TcpReturn:
         if link is None:
             return False
         try:
+            tracing.mark("s0")
             link.send(framing.Kind.RETURNED_BATCH, codec.returned_to_pb(key, outputs))
+            tracing.mark("s1")
             return True
         except framing.LinkClosed as exc:
             self.log.warning("direct return link to the head broke; relaying", error=str(exc))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from skippy_stage import tracing
 from skippy_stage.config import MAX_SESSION_ID_LEN, PeerConfig, StageConfig
 from skippy_stage.errors import (
     DownstreamError,
@@ -500,6 +501,7 @@ class Stage:
         outputs to be relayed back up to it (``relay``). ``on_sent`` runs once this stage's part
         is done (the frame sent on), before the wait.
         """
+        tracing.mark("proc")
         if relay is None:
             relay = not self.config.include_embeddings
         outcome = HopFuture()
@@ -533,7 +535,9 @@ class Stage:
             if downstream is None:
                 return outputs
             try:
+                tracing.mark("wait")
                 outputs = outcome.result(timeout=timeout + 0.05)
+                tracing.mark("woke")
             except FutureTimeout:
                 raise DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
                                       f"outputs did not arrive within {timeout:.3f}s", stage_id=downstream.peer.stage_id,

@@ -379,6 +379,41 @@ def test_greedy_sampling_picks_the_argmax_of_the_returned_logits(chain, prompt):
     assert tokens == [int(np.argmax(row)) for row in logits]
 
 
+def test_plain_greedy_read_in_place_picks_what_llama_cpps_greedy_sampler_picks(chain, head, tail, prompt):
+    """Plain greedy skips llama_sampler_sample's copy of every logit into a candidate array; the
+    token must still be exactly llama.cpp's (the first maximum), row by row."""
+    import llama_cpp
+
+    from skippy_stage.model.sampling import SamplerChain
+
+    (hidden,) = head.run_batch([BatchEntry("rows", np.arange(len(prompt)), token_ids=prompt)])
+    tail.run_batch([BatchEntry("rows", np.arange(len(prompt)), token_ids=prompt, hidden=hidden.hidden,
+                               sample=True, all_rows=True)])
+    ours = SamplerChain(SamplingParams(temperature=0.0), N_VOCAB)
+    theirs = llama_cpp.llama_sampler_init_greedy()
+    try:
+        assert ours._argmax
+        for row in range(len(prompt)):
+            assert ours.sample(tail._ctx, row) == llama_cpp.llama_sampler_sample(theirs, tail._ctx, row)
+    finally:
+        ours.close()
+        llama_cpp.llama_sampler_free(theirs)
+        chain.drop("rows")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, repeat_penalty=1.3),
+                                    SamplingParams(temperature=0.0, logit_bias=((5, 1.0),)),
+                                    SamplingParams(temperature=0.7)])
+def test_greedy_with_a_penalty_or_a_bias_and_any_temperature_go_through_llama_cpps_chain(params):
+    from skippy_stage.model.sampling import SamplerChain
+
+    chain = SamplerChain(params, N_VOCAB)
+    try:
+        assert not chain._argmax
+    finally:
+        chain.close()
+
+
 def test_top_k_1_at_temperature_1_is_greedy(chain, prompt):
     greedy, _ = generate(chain, "greedy", prompt, 16, SamplingParams())
     top1, _ = generate(chain, "top-k-1", prompt, 16, SamplingParams(temperature=1.0, top_k=1, seed=7))
