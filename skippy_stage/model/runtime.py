@@ -558,13 +558,12 @@ class StageRuntime:
 
     def _inner_results(self, checked: list[_Checked], spans: dict[int, tuple[int, int]], total: int) -> list[EntryResult]:
         n_ubatch = self.config.n_ubatch
-        seq = self._seq[:total].tolist()
         # One sequence (a single-stream decode) or a simple split: computed in batch order.
-        ordered = not self._equal_split or in_batch_order(seq)
+        ordered = not self._equal_split or len(checked) == 1 or in_batch_order(self._seq[:total].tolist())
         if ordered:
             predicted = [min(n_ubatch, total - start) for start in range(0, total, n_ubatch)]
         else:
-            ubatches = compute_order(seq, n_ubatch, equal_split=True)
+            ubatches = compute_order(self._seq[:total].tolist(), n_ubatch, equal_split=True)
             predicted = [len(u) for u in ubatches]
         capture = self._capture
         if capture.error is not None or predicted != capture.counts:

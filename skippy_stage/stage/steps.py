@@ -149,13 +149,25 @@ class StageShape:
     wire_dtype: str
 
 
+# Settings already checked, by identity (the object is kept, so its id is not reused): the codec
+# hands every step of a session the same parsed object. Bounded; a miss checks again.
+_CHECKED_SAMPLING: dict[int, SamplingParams] = {}
+_CHECKED_SAMPLING_MAX = 512
+
+
 def check_sampling(params: SamplingParams | None, where: str) -> SamplingParams:
     if params is None:
         return SamplingParams()
+    if _CHECKED_SAMPLING.get(id(params)) is params:
+        return params
     try:
-        return params.validate()
+        params.validate()
     except InvalidRequestError as exc:
         raise InvalidRequestError(str(exc).replace("sampling.", f"{where}.", 1)) from None
+    if len(_CHECKED_SAMPLING) >= _CHECKED_SAMPLING_MAX:
+        _CHECKED_SAMPLING.clear()
+    _CHECKED_SAMPLING[id(params)] = params
+    return params
 
 
 def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
