@@ -48,6 +48,18 @@ _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://")
 _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
 
 
+# OpenMP's spin count for stages that share this machine's cores. llama-cpp-python's CPU backend
+# runs on OpenMP, whose idle workers spin for ~300k iterations after each graph (and at every
+# barrier inside one): a stage that just finished would spin on the cores the next stage needs.
+# Measured with a 3-stage SmolLM2 pipeline on 2 cores (single-stream decode vs the unsplit
+# model, same run): spin count 0: 0.31x, 200: 0.52x, 1000: 0.68x, 2000: 0.69x, 5000: 0.67x,
+# 20000: 0.64x, libgomp's default: 0.32x (an AMD EPYC; an Intel Xeon gave its best at 1000-3000
+# too). Only here: a stage alone on its host wants libgomp's default, which keeps its worker
+# awake between frames; with 2000 it sleeps, and waking it cost a 10-layer slice 10.5 ms instead
+# of 1.9 after 10 ms between frames on a 2-vCPU VM. Set in the stages' environment (libgomp reads
+# it when it loads); an operator's value wins.
+SHARED_HOST_SPINCOUNT = "2000"
+
 @dataclass(frozen=True)
 class Endpoint:
     """A host:port pair; IPv6 hosts are written in brackets."""

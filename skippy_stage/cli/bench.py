@@ -24,7 +24,7 @@ import numpy as np
 import structlog
 
 from skippy_stage.cli.client import generate
-from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
+from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, stage_environment
 from skippy_stage.config import StageConfig
 from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
@@ -478,7 +478,10 @@ def run(json_path: str | None = None) -> dict[str, object]:
         # per token, summed, next to the single process's whole ms/token.
         report["stage_compute_ms_per_token"] = {n: sum(decode[n]["compute"]) for n in ("2", "3")}
         report["stage_compute_ms_by_stage"] = {n: decode[n]["compute"] for n in ("2", "3")}
-        report["openmp_spincount"] = os.environ.get("GOMP_SPINCOUNT", "libgomp default")
+        # Stages sharing this host sleep their OpenMP workers soon after a decode; the single
+        # process runs as llama-cpp-python does (an operator's GOMP_SPINCOUNT applies to both).
+        report["openmp_spincount"] = {"stages": stage_environment()["GOMP_SPINCOUNT"],
+                                      "single_process": os.environ.get("GOMP_SPINCOUNT", "libgomp default")}
         report["hidden_state_capture"] = _capture_kind()
         # The whole cost of splitting, per extra stage, as seen by a client.
         report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 2 * 1e3
@@ -683,6 +686,8 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"compute ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in by_stage)
                      + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "
                        f"{r['single_process_ms_per_token']:.2f} in all)")
-    lines.append(f"OpenMP spin count {r['openmp_spincount']}; hidden-state capture {r['hidden_state_capture']}")
+    spin = r["openmp_spincount"]
+    lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; "
+                 f"hidden-state capture {r['hidden_state_capture']}")
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
     return "\n".join(lines)

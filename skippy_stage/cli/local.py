@@ -7,6 +7,7 @@ upstream, downstream and the head of whom) is written once, in :func:`pipeline_c
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,8 +16,14 @@ import threading
 import time
 from pathlib import Path
 
-from skippy_stage.config import chain_links
+from skippy_stage.config import SHARED_HOST_SPINCOUNT, chain_links
 from skippy_stage.errors import SkippyError
+
+
+def stage_environment() -> dict[str, str]:
+    """The environment of a ``serve`` process started here, beside other stages (OpenMP's spin
+    count for a shared host, unless the operator set one)."""
+    return {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", SHARED_HOST_SPINCOUNT)}
 
 
 def parse_layers(text: str) -> list[tuple[int, int]]:
@@ -124,7 +131,7 @@ class LocalPipeline:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "skippy_stage", *(["--log-level", log_level] if log_level else []),
                  "serve", "--config", str(path)],
-                stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=_die_with_parent,
+                stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=_die_with_parent, env=stage_environment(),
             ))
 
     def restart(self, index: int) -> None:
@@ -133,7 +140,8 @@ class LocalPipeline:
         if old.poll() is None:
             raise SkippyError(f"stage {self.configs[index]['stage_id']} is still running")
         self.procs[index] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                             stderr=self.log_files[index] if self.log_files else None)
+                                             stderr=self.log_files[index] if self.log_files else None,
+                                             env=stage_environment())
 
     @property
     def head_endpoint(self) -> str:

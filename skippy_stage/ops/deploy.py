@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from skippy_stage.config import chain_links
+from skippy_stage.config import SHARED_HOST_SPINCOUNT, chain_links
 from skippy_stage.errors import PlanError
 from skippy_stage.ops.footprint import MIB
 from skippy_stage.ops.plan import Plan
@@ -158,6 +158,8 @@ def compose_document(configs: list[dict[str, Any]], *, image: str = DEFAULT_IMAG
             "stop_signal": "SIGTERM",
             "stop_grace_period": f"{STOP_GRACE_S}s",
             "restart": "on-failure",
+            # every stage on one host: OpenMP workers must not spin on the cores the next stage needs
+            "environment": {"GOMP_SPINCOUNT": SHARED_HOST_SPINCOUNT},
         }
         if i == 0:
             service["ports"] = [f"{port}:{port}"]  # the head is where clients connect
