@@ -60,6 +60,7 @@ _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]
 # it when it loads); an operator's value wins.
 SHARED_HOST_SPINCOUNT = "2000"
 
+
 @dataclass(frozen=True)
 class Endpoint:
     """A host:port pair; IPv6 hosts are written in brackets."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from skippy_stage.errors import InvalidRequestError
+from skippy_stage.errors import InvalidRequestError, RuntimeFailure
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
 RANDOM_SEED = 0xFFFFFFFF
@@ -236,7 +236,7 @@ class SamplerChain:
         if self._argmax:
             ptr = llama_cpp.llama_get_logits_ith(ctx, output_index)
             if not ptr:
-                raise InvalidRequestError(f"batch row {output_index} has no logits")
+                raise RuntimeFailure(f"llama.cpp has no logits for batch row {output_index}")
             logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
             token = int(logits.argmax())
             if logits[token] == logits[token]:  # NaN compares false in llama.cpp's greedy: left to it
