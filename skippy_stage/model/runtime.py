@@ -47,15 +47,14 @@ from skippy_stage.errors import (
 from skippy_stage.model import llama_ffi, loader
 from skippy_stage.model.capture import Capture, LayerTap, make_capture
 from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
-from skippy_stage.model.sampling import SamplerChain, SamplingParams
+from skippy_stage.model.sampling import SamplerChain, SamplingParams, validated_once
 from skippy_stage.model.slicing import MANIFEST_SUFFIX, read_model_info
 from skippy_stage.model.stage_file import resolve_context_size, resolve_stage_file
 from skippy_stage.model.tokenizer import Tokenizer
 from skippy_stage.model.ubatch import compute_order, in_batch_order
 
 log = structlog.get_logger("skippy_stage.runtime")
-# Distinct sampling settings remembered as checked (a bound, not a working-set size).
-_VALID_SAMPLING_KEPT = 256
+
 
 
 @dataclass(frozen=True)
@@ -204,7 +203,6 @@ class StageRuntime:
         self.tokenizer = Tokenizer(self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self._valid_sampling: dict[int, SamplingParams] = {}  # settings already checked, by identity
         self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
         n_embd_inp = int(llama_cpp.llama_model_n_embd_inp(self._model))
         if not config.include_embeddings and n_embd_inp != self.n_embd:
@@ -415,17 +413,11 @@ class StageRuntime:
                                               f"prefix_id")
             if (e.sample or e.want_logits) and not cfg.include_output:
                 raise InvalidRequestError(f"{where} asks for logits or a sample, but stage {cfg.stage_id} is not the final stage")
-            if e.sample and e.sampling is not None and self._valid_sampling.get(id(e.sampling)) is not e.sampling:
-                params = e.sampling.validate()
-                bad = [t for t, _ in params.logit_bias if not 0 <= t < self.n_vocab]
+            if e.sample and e.sampling is not None:
+                bad = [t for t, _ in validated_once(e.sampling).logit_bias if not 0 <= t < self.n_vocab]
                 if bad:
                     raise InvalidRequestError(f"{where}.sampling.logit_bias names token {bad[0]}, outside "
                                               f"[0, {self.n_vocab})")
-                if len(self._valid_sampling) >= _VALID_SAMPLING_KEPT:
-                    self._valid_sampling.clear()
-                # by identity (the object is kept, so its id is not reused): the head and the codec
-                # hand the same settings object to every step of a session
-                self._valid_sampling[id(e.sampling)] = e.sampling
             every_row = e.all_rows or e.verify or e.prompt_logprobs is not None
             outputs += int(pos.shape[0]) if every_row else int(e.sample or e.want_logits)
             if cfg.include_output and outputs > cfg.n_ubatch:

@@ -134,6 +134,23 @@ def parse_grammar(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.lla
     return sampler
 
 
+# Settings already checked, by identity (each is kept, so its id cannot be reused meanwhile): a
+# session's every step carries the same object (the head builds it once; a stage's codec parses
+# each distinct message once). Bounded; a miss checks again.
+_CHECKED: dict[int, SamplingParams] = {}
+_CHECKED_MAX = 512
+
+
+def validated_once(params: SamplingParams) -> SamplingParams:
+    """``params.validate()``, once per settings object."""
+    if _CHECKED.get(id(params)) is not params:
+        params.validate()
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[id(params)] = params
+    return params
+
+
 class SamplerChain:
     """A llama.cpp sampler chain that owns its native memory, in llama-cpp-python's order
     (penalties, grammar, then top-k ... and the draw).

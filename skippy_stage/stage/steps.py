@@ -20,7 +20,7 @@ import numpy as np
 
 from skippy_stage.errors import InvalidRequestError, RuntimeFailure
 from skippy_stage.model.runtime import BatchEntry, EntryResult, TokenLogprob
-from skippy_stage.model.sampling import SamplingParams
+from skippy_stage.model.sampling import SamplingParams, validated_once
 from skippy_stage.stage import wire
 
 PHASE_DECODE = "decode"
@@ -149,25 +149,13 @@ class StageShape:
     wire_dtype: str
 
 
-# Settings already checked, by identity (the object is kept, so its id is not reused): the codec
-# hands every step of a session the same parsed object. Bounded; a miss checks again.
-_CHECKED_SAMPLING: dict[int, SamplingParams] = {}
-_CHECKED_SAMPLING_MAX = 512
-
-
 def check_sampling(params: SamplingParams | None, where: str) -> SamplingParams:
     if params is None:
         return SamplingParams()
-    if _CHECKED_SAMPLING.get(id(params)) is params:
-        return params
     try:
-        params.validate()
+        return validated_once(params)
     except InvalidRequestError as exc:
         raise InvalidRequestError(str(exc).replace("sampling.", f"{where}.", 1)) from None
-    if len(_CHECKED_SAMPLING) >= _CHECKED_SAMPLING_MAX:
-        _CHECKED_SAMPLING.clear()
-    _CHECKED_SAMPLING[id(params)] = params
-    return params
 
 
 def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:

@@ -302,6 +302,20 @@ def test_invalid_sampling_params_are_refused_naming_the_field(chain, tail, promp
 # -- KV admission and lanes ------------------------------------------------------------
 
 
+def test_sampling_settings_are_checked_once_per_object_and_a_bad_one_every_time(monkeypatch):
+    from skippy_stage.model import sampling
+
+    calls = []
+    real = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(self) or real(self))
+    good, bad = SamplingParams(temperature=0.3), SamplingParams(temperature=-1.0)
+    assert sampling.validated_once(good) is good and sampling.validated_once(good) is good
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            sampling.validated_once(bad)
+    assert calls == [good, bad, bad], "a refused object is not remembered"
+
+
 def test_a_session_may_fill_its_lane_but_not_overflow_it(chain, head, prompt):
     """Each lane holds ctx_size / lane_count cells; overflow is refused before llama_decode."""
     filled = 0
