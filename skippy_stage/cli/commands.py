@@ -35,7 +35,7 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
         extra["ctx_size"] = args.ctx_size
     if args.wire_dtype:
         extra["wire_dtype"] = args.wire_dtype
-    # Local stages share this machine's cores. With GOMP_SPINCOUNT bounded (skippy_stage
+    # Local stages share this machine's cores. With GOMP_SPINCOUNT bounded (LocalPipeline
     # sets it) an idle stage's threads sleep, so each stage may use every core while it
     # computes: on 2 cores, 3 stages decode in 15.3 ms/token with 2 threads each vs 19.6 with
     # 1, and prefill twice as fast (`skippy-stage bench`, SKIPPY_BENCH_STAGE_THREADS).
