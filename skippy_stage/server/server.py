@@ -3,6 +3,7 @@ the watch on the chain below, the HTTP API at the head, and the signals that dra
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -153,6 +154,11 @@ def serve(config: StageConfig, *, grace_s: float = 10.0, ready: Callable[[int], 
         server.drain(0)
         raise
     slog.info("stage loaded", port=server.port, layers=f"{config.layer_start}:{config.layer_end}")
+    # Everything loaded so far lives as long as the process: out of the collector's sight, a full
+    # collection takes ~0.2 ms instead of 20-50 ms (measured in a SmolLM2 stage), which otherwise
+    # landed in the middle of some token's path every few hundred tokens.
+    gc.collect()
+    gc.freeze()
     deadline = time.monotonic() + config.downstream_ready_timeout_s
     while not stop.is_set() and not server.stage.ready:
         if time.monotonic() > deadline:
