@@ -57,7 +57,7 @@ def mark(name: str) -> None:
 
 
 def flush() -> None:
-    if _marks is None or _dir is None:
+    if _marks is None:
         return
     with _lock:
         lines = "\n".join(f"{name} {t}" for name, t in list(_marks))

@@ -7,6 +7,7 @@ each step. Times are never asserted (machines are noisy): the path is.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -30,11 +31,20 @@ def test_a_token_is_traced_from_the_head_through_every_stage_and_back():
     assert re.search(r"sum \d+: llama_decode \d+, the rest \d+", run.stdout)
 
 
-def test_marks_cost_nothing_and_write_nothing_when_tracing_is_off(tmp_path, monkeypatch):
-    from skippy_stage import tracing
+def _trace_in_a_process(env_dir: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    code = ("from skippy_stage import tracing; tracing.label('stage7'); tracing.mark('d0'); tracing.mark('d1'); "
+            "print(tracing._marks is None)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "SKIPPY_TRACE_DIR": env_dir})
 
-    monkeypatch.chdir(tmp_path)
-    assert tracing._marks is None  # the test run does not set SKIPPY_TRACE_DIR
-    tracing.mark("d0")
-    tracing.flush()
+
+def test_a_traced_process_writes_its_marks_in_order_at_exit_and_an_untraced_one_keeps_none(tmp_path):
+    on = _trace_in_a_process(str(tmp_path), tmp_path)
+    assert on.returncode == 0, on.stderr[-2000:]
+    (trace,) = tmp_path.glob("stage7.*.trace")
+    assert [line.split()[0] for line in trace.read_text().splitlines()] == ["d0", "d1"]
+    trace.unlink()
+    off = _trace_in_a_process("", tmp_path)
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert off.stdout.strip() == "True", "off, a mark keeps nothing"
     assert list(tmp_path.iterdir()) == []
