@@ -56,7 +56,10 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from skippy_stage.cli.local import die_with_parent
     from skippy_stage.config import load_config
+
+    die_with_parent()
     from skippy_stage.server.server import serve
 
     config = load_config(args.config)

@@ -21,9 +21,10 @@ from skippy_stage.errors import SkippyError
 
 
 def stage_environment() -> dict[str, str]:
-    """The environment of a ``serve`` process started here, beside other stages (OpenMP's spin
-    count for a shared host, unless the operator set one)."""
-    return {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", SHARED_HOST_SPINCOUNT)}
+    """The environment of a ``serve`` process started here, beside other stages: OpenMP's spin
+    count for a shared host (unless the operator set one), and who to die with."""
+    return {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", SHARED_HOST_SPINCOUNT),
+            PARENT_ENV: str(os.getpid())}
 
 
 def parse_layers(text: str) -> list[tuple[int, int]]:
@@ -100,16 +101,30 @@ def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, po
     return configs
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the parent dies (Linux), so a crashed or killed
-    ``up``/``bench`` never leaves stages running, holding ports and its output pipes open.
-    (Linux sends it when the *thread* that started the child ends: start stages from a
-    thread that outlives them, as the CLI and the tests do.)"""
-    if sys.platform.startswith("linux"):
-        import ctypes
+# Set in a stage's environment by whoever starts it here: that process's id (see die_with_parent).
+PARENT_ENV = "SKIPPY_DIE_WITH_PARENT"
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+def die_with_parent() -> None:
+    """In a stage started here, first thing: SIGTERM when the process that started it dies
+    (Linux), so a crashed or killed ``up``/``bench`` never leaves stages running, holding ports
+    and its output pipes open. (Linux sends it when the *thread* that started the child ends:
+    start stages from a thread that outlives them, as the CLI and the tests do.)
+
+    Done by the child after exec, not in a ``preexec_fn``: a fork with a function to run makes
+    Python fork for real, and grpcio's fork handlers in a parent with live channels hung that
+    fork for good (seen in the test run: the parent stuck inside ``fork()``); without one Python
+    uses vfork, which runs no fork handlers. A parent that died before this ran is caught by
+    comparing the parent's id."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class LocalPipeline:
@@ -131,7 +146,7 @@ class LocalPipeline:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "skippy_stage", *(["--log-level", log_level] if log_level else []),
                  "serve", "--config", str(path)],
-                stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=_die_with_parent, env=stage_environment(),
+                stdin=subprocess.DEVNULL, stderr=stderr, env=stage_environment(),
             ))
 
     def restart(self, index: int) -> None:
@@ -139,7 +154,7 @@ class LocalPipeline:
         old = self.procs[index]
         if old.poll() is None:
             raise SkippyError(f"stage {self.configs[index]['stage_id']} is still running")
-        self.procs[index] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        self.procs[index] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL,
                                              stderr=self.log_files[index] if self.log_files else None,
                                              env=stage_environment())
 

@@ -45,3 +45,43 @@ def test_a_stage_alone_on_its_host_keeps_libgomps_own_spin_count():
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "None"
+
+
+_CHILD = ("from skippy_stage.cli.local import die_with_parent; die_with_parent(); import time; time.sleep(60)")
+
+
+def test_a_stage_started_here_dies_with_the_process_that_started_it(tmp_path):
+    """The stage sets its own death signal after exec (no preexec_fn: Python then forks for real,
+    and grpcio's fork handlers hung such a fork in a parent with live channels)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    parent = ("import subprocess, sys\n"
+              "from skippy_stage.cli.local import stage_environment\n"
+              f"p = subprocess.Popen([sys.executable, '-c', {_CHILD!r}], env=stage_environment())\n"
+              "print(p.pid, flush=True)\n"
+              "import time; time.sleep(1.5)\n")  # long enough for the child to arm its signal
+    run = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    child = int(run.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, 9)
+    raise AssertionError("the stage outlived the process that started it")
+
+
+def test_a_stage_whose_starter_is_already_gone_stops_at_once():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SKIPPY_DIE_WITH_PARENT": "1"}  # not our parent: it died before we armed the signal
+    run = subprocess.run([sys.executable, "-c", _CHILD], env=env, timeout=30)
+    assert run.returncode == -15
