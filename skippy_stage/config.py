@@ -132,7 +132,8 @@ class SpeculativeConfig:
     drafter: str = "none"  # "none", "ngram" (prompt lookup) or "model" (a draft GGUF at the head)
     k: int = 8  # most tokens drafted per step (adaptive: from 4, two more after a step whose drafts were all kept)
     ngram: int = 2  # ngram: the longest n-gram looked up (LlamaPromptLookupDecoding's max_ngram_size)
-    adaptive: bool = True  # draft fewer (down to none) while drafts keep being rejected
+    # draft fewer (down to none) while drafts keep being rejected; ngram: look up where the context agrees
+    adaptive: bool = True
     model_path: str | None = None  # model: the draft GGUF, sharing the target's vocabulary
 
     @property

@@ -191,7 +191,7 @@ def test_adaptive_k_stops_drafting_while_drafts_are_rejected_and_probes_to_start
     assert fixed.next_k() == 4
 
 
-def test_adaptive_k_grows_by_two_while_every_draft_is_kept_and_shrinks_by_one_on_a_rejection():
+def test_adaptive_k_grows_by_two_while_every_draft_is_kept_and_halves_on_a_rejection():
     from skippy_stage.head.drafting import DraftBudget
 
     budget = DraftBudget(k=8, adaptive=True)
@@ -201,8 +201,30 @@ def test_adaptive_k_grows_by_two_while_every_draft_is_kept_and_shrinks_by_one_on
         seen.append(budget.next_k())
     assert seen == [4, 6, 8, 8], "from 4, two more per fully kept step, never past k"
     budget.record(drafted=8, accepted=7)
-    assert budget.next_k() == 7
+    assert budget.next_k() == 4
+    budget.record(drafted=4, accepted=0)
+    budget.record(drafted=2, accepted=1)
+    assert budget.next_k() == 1, "never below one while drafting pays"
     assert DraftBudget(k=2, adaptive=True).next_k() == 2, "never more than k, even at the start"
+
+
+def test_adaptive_prompt_lookup_continues_where_the_context_agrees_and_the_reference_takes_the_earliest():
+    from skippy_stage.config import SpeculativeConfig
+    from skippy_stage.head.drafting import Drafters, NgramDrafter
+
+    # "the cat" occurs twice before the end: after "saw" (continued "sat"), then after "fed"
+    # (continued "ate"); the text now ends "... fed the cat" again.
+    saw, fed, the, cat, sat, ate, dot = 10, 11, 12, 13, 14, 15, 16
+    history = [saw, the, cat, sat, dot, fed, the, cat, ate, dot, saw, sat, dot, fed, the, cat]
+    reference = NgramDrafter(2)(history, 2)
+    assert reference == [sat, dot], "llama-cpp-python's lookup: the earliest occurrence"
+    assert NgramDrafter(2, by_context=True)(history, 2) == [ate, dot]
+    # Nothing earlier matches the last token: no draft, as the reference.
+    assert NgramDrafter(2, by_context=True)([1, 2, 3, 4], 3) == NgramDrafter(2)([1, 2, 3, 4], 3) == []
+    # Adaptive k off is the reference schedule, drafts included; on, the context lookup.
+    drafters = Drafters()
+    assert drafters.for_spec(SpeculativeConfig(drafter="ngram", k=2, adaptive=False))(history, 2) == reference
+    assert drafters.for_spec(SpeculativeConfig(drafter="ngram", k=2, adaptive=True))(history, 2) == [ate, dot]
 
 
 @pytest.mark.parametrize("settings, field", [

@@ -9,8 +9,9 @@ speculative-sampling acceptance rule: the draft d is kept with probability p(d),
 the token emitted is distributed as p with d removed and renormalised, so every emitted token
 is distributed as the target model's p, at any temperature. Greedy runs are exact.
 
-- ``ngram``: prompt lookup, llama-cpp-python's own ``LlamaPromptLookupDecoding`` (the reference
-  the tests hold the pipeline to), no model.
+- ``ngram``: prompt lookup, no model: llama-cpp-python's own ``LlamaPromptLookupDecoding`` (the
+  reference the tests hold the pipeline to) with adaptive k off; with it on, the occurrence whose
+  context agrees furthest back (``lookup_by_context``).
 - ``model``: a small GGUF at the head with the target's vocabulary, run with llama-cpp-python,
   drafting greedily.
 - native MTP heads are refused by name (see ``MTP_REFUSAL``).
@@ -54,19 +55,57 @@ class SpeculativeRequest:
 
 
 class NgramDrafter:
-    """Prompt lookup exactly as llama-cpp-python does it (its reference implementation)."""
+    """Prompt lookup. ``by_context`` off: exactly as llama-cpp-python does it (its reference
+    implementation, which takes the *earliest* earlier occurrence of the last n tokens); on (the
+    adaptive mode): see :func:`lookup_by_context`."""
 
-    def __init__(self, ngram: int) -> None:
+    def __init__(self, ngram: int, *, by_context: bool = False) -> None:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self._find = LlamaPromptLookupDecoding.find_candidate_pred_tokens
         self.ngram = ngram
+        self.by_context = by_context
 
     def __call__(self, history: list[int], k: int) -> list[int]:
         if k <= 0 or len(history) < 2:
             return []
-        found = self._find(np.asarray(history, dtype=np.intc), max_ngram_size=self.ngram, num_pred_tokens=k)
+        ids = np.asarray(history, dtype=np.intc)
+        if self.by_context:
+            return lookup_by_context(ids, self.ngram, k)
+        found = self._find(ids, max_ngram_size=self.ngram, num_pred_tokens=k)
         return [int(t) for t in found]
+
+
+# How far back the tokens before an occurrence are compared with those before the last n.
+CONTEXT_WINDOW = 64
+
+
+def lookup_by_context(ids: np.ndarray, ngram: int, k: int) -> list[int]:
+    """The continuation of the earlier occurrence of the last n tokens (n from ``ngram`` down to 1,
+    the same candidates as the reference) whose *preceding* tokens agree furthest back with those
+    before the last n (up to CONTEXT_WINDOW; among equals the latest).
+
+    In a text that quotes or repeats a passage, a short n-gram (", and", "of the") occurs at many
+    places; the earliest is as likely wrong as right, and a wrong pick costs a trip of rejected
+    rows. The place whose context matches is where the quote is. Simulated on ``bench``'s
+    repetitive prompt with the adaptive budget: 5.0 tokens per trip against the reference's 4.75."""
+    n = len(ids)
+    for size in range(min(ngram, n - 1), 0, -1):
+        tail = ids[n - size :]
+        windows = np.lib.stride_tricks.sliding_window_view(ids, size)
+        found = np.flatnonzero((windows == tail).all(axis=1))
+        found = found[found + size < n - size]  # as the reference: a continuation that starts before the tail
+        if found.size == 0:
+            continue
+        best = int(found[0])
+        if found.size > 1:
+            back = np.arange(1, CONTEXT_WINDOW + 1)
+            mine, theirs = n - size - back, found[:, None] - back
+            same = (theirs >= 0) & (mine >= 0) & (ids[np.maximum(theirs, 0)] == ids[np.maximum(mine, 0)])
+            agree = np.cumprod(same, axis=1).sum(axis=1)
+            best = int(found[np.flatnonzero(agree == agree.max())[-1]])
+        return [int(t) for t in ids[best + size : best + size + k]]
+    return []
 
 
 class ModelDrafter:
@@ -128,10 +167,12 @@ class DraftBudget:
     """Adaptive k for one session. A drafted row costs the chain about a third to a half of a
     one-row trip on a CPU (``bench``: the layers and the output head run on every row), and saves a
     trip when it is kept. So the session drafts ``START`` tokens, two more after a step whose
-    drafts were all kept (up to ``k``: a quote or a code edit keeps dozens in a row) and one fewer
-    after a rejection; and while the share of drafted tokens kept (an average over the last steps)
-    is below ``FLOOR`` it stops drafting, drafting one token every ``PROBE_EVERY`` steps to notice
-    when its text turns repetitive. Off: always k."""
+    drafts were all kept (up to ``k``: a quote or a code edit keeps dozens in a row) and half as
+    many after a rejection (mostly the text has left the pattern it followed, as at the end of a
+    quote: the next trips should not carry nearly as many rows again); and while the share of
+    drafted tokens kept (an average over the last steps) is below ``FLOOR`` it stops drafting,
+    drafting one token every ``PROBE_EVERY`` steps to notice when its text turns repetitive.
+    Off: always k."""
 
     k: int
     adaptive: bool
@@ -160,22 +201,23 @@ class DraftBudget:
         self.kept += self.WEIGHT * (accepted / drafted - self.kept)
         if self.adaptive:
             now = self.now or min(self.k, self.START)
-            self.now = min(self.k, now + self.GROW) if accepted == drafted else max(1, now - 1)
+            self.now = min(self.k, now + self.GROW) if accepted == drafted else max(1, now // 2)
 
 
 class Drafters:
-    """The head's drafters: one prompt-lookup drafter per n-gram size (stateless, made on first
-    use) and the draft model, if its config loads one."""
+    """The head's drafters: one prompt-lookup drafter per n-gram size and lookup (stateless, made on
+    first use) and the draft model, if its config loads one."""
 
     def __init__(self, model: ModelDrafter | None = None) -> None:
         self.model = model
-        self._ngram: dict[int, NgramDrafter] = {}
+        self._ngram: dict[tuple[int, bool], NgramDrafter] = {}
         self._lock = threading.Lock()
 
     def for_spec(self, spec: SpeculativeConfig) -> Drafter | None:
         if spec.drafter == "ngram":
             with self._lock:
-                return self._ngram.setdefault(spec.ngram, NgramDrafter(spec.ngram))
+                key = (spec.ngram, spec.adaptive)
+                return self._ngram.setdefault(key, NgramDrafter(spec.ngram, by_context=spec.adaptive))
         if spec.drafter == "model":
             if self.model is None:
                 raise InvalidRequestError("speculative.drafter='model': this head has no draft model "
