@@ -11,6 +11,7 @@ ratios mean anything.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ DECODE_TOKENS = 16 if _QUICK else 128
 AGG_TOKENS = 8 if _QUICK else 64
 # Five rounds (medians): on a busy 2-vCPU host one round of a 3-stage decode can take 2x the next.
 DECODE_ROUNDS = 1 if _QUICK else 5
+_DIRS = itertools.count()
 PREFILL_TOKENS = 64 if _QUICK else 512
 CONCURRENCY = (1, 4, 8)
 # A 4-turn chat over a long system message: each turn's prompt holds every turn before it.
@@ -415,14 +417,16 @@ def run(json_path: str | None = None) -> dict[str, object]:
     report: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="skippy-bench-") as tmp:
         cache_dir = str(Path(tmp) / "slices")
-        decode = _interleaved_decode(model, Path(tmp), cache_dir, cores)
+        decode = _interleaved_decode(model, Path(tmp), cache_dir, cores, HEADLINE_CONTENDERS)
+        compared = _interleaved_decode(model, Path(tmp), cache_dir, cores, COMPARISON_CONTENDERS)
         report["single_process_ms_per_token"] = decode["single"]["ms"]
         pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
         stage_cpu = {n: decode[n]["cpu"] for n in ("2", "3")}
         hops = {"2": decode["2"]["hops"], "3": decode["3"]["hops"]}
-        report["return_path_comparison_3_stage"] = {"relay_ms_per_token": decode["3-relay"]["ms"],
-                                                    "direct_ms_per_token": decode["3"]["ms"]}
-        report["decode_rounds"] = {name: d["runs"] for name, d in decode.items()}
+        report["return_path_comparison_3_stage"] = {"relay_ms_per_token": compared["3-relay"]["ms"],
+                                                    "direct_ms_per_token": compared["3-tcp"]["ms"]}
+        report["decode_rounds"] = {**{name: d["runs"] for name, d in decode.items()},
+                                   **{f"{name} (comparison phase)": d["runs"] for name, d in compared.items()}}
         (Path(tmp) / "aggregate").mkdir()
         pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp) / "aggregate", cache_dir)
         # Batched decode and prefill, the single process and the pipeline alternating in rounds
@@ -453,12 +457,12 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
                                         "tcp_frame": report["hop_floor_us"]["tcp_frame_round_trip_us"],
                                         "tcp_socket": report["hop_floor_us"]["tcp_socket_round_trip_us"]}
-        single_ms = decode["single"]["ms"]
+        single_ms = compared["single"]["ms"]  # the phase's own unsplit runs
         report["transport_comparison_3_stage"] = {
-            transport: {"ms_per_token": decode[name]["ms"],
-                        "per_hop_overhead_us": (decode[name]["ms"] - single_ms) / 3 * 1e3,
-                        "hop_latency_us": decode[name]["hop_latency"]}
-            for transport, name in (("tcp", "3"), ("stream", "3-stream"))
+            transport: {"ms_per_token": compared[name]["ms"],
+                        "per_hop_overhead_us": (compared[name]["ms"] - single_ms) / 3 * 1e3,
+                        "hop_latency_us": compared[name]["hop_latency"]}
+            for transport, name in (("tcp", "3-tcp"), ("stream", "3-stream"))
         }
         report["hop_transport_default"] = StageConfig.__dataclass_fields__["hop_transport"].default
         # Median "frame handed to the transport -> compute starts at the next stage", from the
@@ -570,24 +574,32 @@ def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[flo
     return {name: [float(np.median(turn)) for turn in zip(*runs)] for name, runs in out.items()}
 
 
-def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int) -> dict[str, dict]:
-    """Single-stream decode of the unsplit model and of every pipeline, in rounds.
+THREE = [(0, 10), (10, 20), (20, 30)]
+# Single-stream decode, in two phases of interleaved rounds: the headline ratios (2 and 3 stages,
+# the defaults: TCP frames, tokens straight back to the head), then the transports and return
+# paths compared on 3 stages. Each phase loads only its own pipelines: an idle stage process
+# still wakes ~100 times a second (gRPC's thread pool, health probes), and ten of them waking
+# in the middle of the measured pipeline's decodes cost its 3-stage ratio ~0.05 in this
+# project's runs (0.70-0.72 with all four pipelines loaded, 0.75-0.80 with two).
+HEADLINE_CONTENDERS = {"2": ([(0, 15), (15, 30)], "direct", "tcp"), "3": (THREE, "direct", "tcp")}
+COMPARISON_CONTENDERS = {"3-tcp": (THREE, "direct", "tcp"), "3-relay": (THREE, "relay", "tcp"),
+                         "3-stream": (THREE, "direct", "stream")}
 
-    Everything is loaded at once (an idle stage costs ~1 % of a core) and each round runs
-    each contender once, so a slow moment of a noisy machine hits all of them alike; the
-    figures are the medians over the rounds. Contenders: the single process, 2 and 3
-    stages (the defaults: TCP frames, tokens straight back to the head), 3 stages with the
-    tokens relayed back up the edges, 3 stages over the gRPC stream.
+
+def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
+                        contenders: dict[str, tuple[list[tuple[int, int]], str, str]]) -> dict[str, dict]:
+    """Single-stream decode of the unsplit model and of ``contenders`` (name: layer ranges,
+    return path, transport), in rounds.
+
+    Everything is loaded at once and each round runs each contender once, so a slow moment of a
+    noisy machine hits all of them alike; the figures are the medians over the rounds.
     """
-    three = [(0, 10), (10, 20), (20, 30)]
-    contenders = {"2": ([(0, 15), (15, 30)], "direct", "tcp"), "3": (three, "direct", "tcp"),
-                  "3-relay": (three, "relay", "tcp"), "3-stream": (three, "direct", "stream")}
     pipelines: dict[str, _Pipeline] = {}
     single = SingleDecoder(model, cores)
     runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
     try:
         for name, (ranges, return_path, transport) in contenders.items():
-            sub = workdir / f"decode-{name}"
+            sub = workdir / f"decode-{name}-{next(_DIRS)}"
             sub.mkdir()
             pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport)
         single.ms_per_token()  # warm
