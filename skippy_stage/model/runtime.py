@@ -57,7 +57,7 @@ log = structlog.get_logger("skippy_stage.runtime")
 
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class BatchEntry:
     """One session's share of a batch.
 
@@ -120,7 +120,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
         return shifted - np.log(np.sum(np.exp(shifted)))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class EntryResult:
     session_id: str
     hidden: np.ndarray | None = None  # inner stages: one row per input token
@@ -132,7 +132,7 @@ class EntryResult:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class _Checked:
     entry: BatchEntry
     positions: np.ndarray

@@ -28,7 +28,7 @@ PHASE_PREFILL = "prefill"
 MAX_RETURN_KEY_LEN = 64
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class StepEntry:
     """One session's share of a step, as it travels to every stage.
 
@@ -59,7 +59,7 @@ class StepEntry:
     draws_before: int = 0  # final stage: samples the session took before (a rebuilt sampler skips them)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class Activations:
     """A stage's hidden states for the next one, encoded in the wire dtype."""
 
@@ -88,7 +88,7 @@ class Step:
         return [e.session_id for e in self.entries]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class Output:
     session_id: str
     token: int | None = None
@@ -98,7 +98,7 @@ class Output:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per row with a next token, when asked
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class Outputs:
     """A step's outputs, one per entry in order, from the final stage."""
 

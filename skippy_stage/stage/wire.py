@@ -62,7 +62,7 @@ DTYPES: tuple[str, ...] = tuple(d.value for d in DType)
 _BY_NAME = {d.value: d for d in DType}  # a dict lookup: ``DType(name)`` costs several times as much
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class FrameDescriptor:
     """What a receiver needs to check and decode an activation payload.
 
