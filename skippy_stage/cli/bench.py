@@ -11,7 +11,6 @@ ratios mean anything.
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import logging
 import os
@@ -39,7 +38,6 @@ DECODE_TOKENS = 16 if _QUICK else 128
 AGG_TOKENS = 8 if _QUICK else 64
 # Five rounds (medians): on a busy 2-vCPU host one round of a 3-stage decode can take 2x the next.
 DECODE_ROUNDS = 1 if _QUICK else 5
-_DIRS = itertools.count()
 PREFILL_TOKENS = 64 if _QUICK else 512
 CONCURRENCY = (1, 4, 8)
 # A 4-turn chat over a long system message: each turn's prompt holds every turn before it.
@@ -599,7 +597,7 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
     runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
     try:
         for name, (ranges, return_path, transport) in contenders.items():
-            sub = workdir / f"decode-{name}-{next(_DIRS)}"
+            sub = workdir / f"decode-{name}"
             sub.mkdir()
             pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport)
         single.ms_per_token()  # warm

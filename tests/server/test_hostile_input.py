@@ -529,7 +529,7 @@ def descriptor_cases(draw: st.DrawFn) -> tuple[wire.FrameDescriptor, dict[str, o
     checked_fields = [k for k in changes if k not in ("producer_stage_index", "flags")]
     mutated = any(getattr(desc, k) != changes[k] for k in checked_fields) or any(
         (dtype not in checks[k]) if k == "accepted_dtypes" else checks[k] != v for k, v in original.items())
-    return wire.FrameDescriptor(**{**desc.__dict__, **changes}), checks, mutated
+    return dataclasses.replace(desc, **changes), checks, mutated
 
 
 def check_descriptor(case: tuple[wire.FrameDescriptor, dict[str, object], bool]) -> None:
