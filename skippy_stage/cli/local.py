@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,24 +52,47 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
+# Where free_ports looks first: below the kernel's ephemeral range (read at run time).
+_LISTEN_PORTS_FROM = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_ports(host: str, n: int) -> list[int]:
     """n ports nobody listens on now, and that this process has not handed out before.
 
     The ports are free only until someone binds them: two calls made before the first
     caller's servers bind (a pipeline's stage ports, then its metrics or HTTP ports) could
-    otherwise get the same port back from the kernel, and one stage would fail to start
-    with "Address already in use".
+    otherwise get the same port back, and one stage would fail to start with "Address already
+    in use". They are taken below the kernel's ephemeral range where it leaves room: a port the
+    kernel picks for ``bind(0)`` comes from the range every outgoing connection also draws from,
+    and a stage started a while later (a stand-in, after its pipeline's stages had connected to
+    each other) found its port taken by such a connection.
     """
     sockets = []
     ports: list[int] = []
+    low, _ = _ephemeral_range()
+    below = low > _LISTEN_PORTS_FROM + 1000  # room below the ephemeral range
+    rng = random.Random()
     try:
         with _handed_out_lock:
-            for _ in range(n + 1000):
+            for attempt in range(n + 1000):
                 if len(ports) == n:
                     break
                 s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-                s.bind((host, 0))
-                sockets.append(s)  # held until the end, so the kernel cannot offer it again now
+                sockets.append(s)  # held until the end, so nothing here can get it again now
+                # below the ephemeral range first; the kernel's pick once that keeps failing
+                wanted = rng.randrange(_LISTEN_PORTS_FROM, low) if below and attempt < 500 else 0
+                try:
+                    s.bind((host, wanted))
+                except OSError:
+                    continue
                 port = s.getsockname()[1]
                 if port not in _handed_out:
                     ports.append(port)

@@ -16,6 +16,15 @@ def test_free_ports_never_hands_out_a_port_twice_in_one_process():
     assert len(set(seen)) == len(seen)
 
 
+def test_free_ports_lie_below_the_range_outgoing_connections_draw_from():
+    """A stage started after its neighbours have connected to each other must still find its
+    port free: the kernel hands ports of the ephemeral range to every outgoing connection."""
+    from skippy_stage.cli.local import _ephemeral_range
+
+    low, high = _ephemeral_range()
+    assert all(not low <= port <= high for port in free_ports("127.0.0.1", 20))
+
+
 def test_free_ports_are_bindable():
     for port in free_ports("127.0.0.1", 3):
         with socket.socket() as s:
