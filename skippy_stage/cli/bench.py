@@ -40,6 +40,8 @@ AGG_TOKENS = 8 if _QUICK else 64
 DECODE_ROUNDS = 1 if _QUICK else 5
 PREFILL_TOKENS = 64 if _QUICK else 512
 CONCURRENCY = (1, 4, 8)
+# The 3-stage split every 3-stage figure runs.
+THREE = [(0, 10), (10, 20), (20, 30)]
 # A 4-turn chat over a long system message: each turn's prompt holds every turn before it.
 CHAT_SYSTEM = ("You are a careful assistant for a shipping company. " * (6 if _QUICK else 40)).strip()
 CHAT_TURNS = ["Where is my parcel?", "It was sent on Monday from Berlin.", "How long does it usually take?",
@@ -426,7 +428,7 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["decode_rounds"] = {**{name: d["runs"] for name, d in decode.items()},
                                    **{f"{name} (comparison phase)": d["runs"] for name, d in compared.items()}}
         (Path(tmp) / "aggregate").mkdir()
-        pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], Path(tmp) / "aggregate", cache_dir)
+        pipeline = _Pipeline(model, THREE, Path(tmp) / "aggregate", cache_dir)
         # Batched decode and prefill, the single process and the pipeline alternating in rounds
         # (medians), so a noisy moment of the host hits both alike.
         single_runs: list[dict] = []
@@ -516,7 +518,7 @@ def _speculative(model: Path, workdir: Path, cache_dir: str) -> dict[str, dict[s
     per decode step through the chain (the head's batches, from its metrics); ``ms_per_token``:
     after the first token."""
     (workdir / "speculative").mkdir()
-    pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], workdir / "speculative", cache_dir, kv_unified=False)
+    pipeline = _Pipeline(model, THREE, workdir / "speculative", cache_dir, kv_unified=False)
     head_metrics = pipeline.metrics_ports[0]
 
     def one(prompt: str, drafter: str) -> tuple[float, float, float]:
@@ -561,7 +563,7 @@ def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[flo
     out: dict[str, list[list[float]]] = {"with_prefix_cache": [], "without_prefix_cache": []}
     for name, enabled in (("with_prefix_cache", True), ("without_prefix_cache", False)):
         (workdir / f"chat-{name}").mkdir()
-        pipeline = _Pipeline(model, [(0, 10), (10, 20), (20, 30)], workdir / f"chat-{name}", cache_dir,
+        pipeline = _Pipeline(model, THREE, workdir / f"chat-{name}", cache_dir,
                              prefix_cache=enabled, kv_unified=False)
         try:
             pipeline.chat_ttft(["Hello."], 1)  # warm
@@ -572,7 +574,6 @@ def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[flo
     return {name: [float(np.median(turn)) for turn in zip(*runs)] for name, runs in out.items()}
 
 
-THREE = [(0, 10), (10, 20), (20, 30)]
 # Single-stream decode, in two phases of interleaved rounds: the headline ratios (2 and 3 stages,
 # the defaults: TCP frames, tokens straight back to the head), then the transports and return
 # paths compared on 3 stages. Each phase loads only its own pipelines: an idle stage process
