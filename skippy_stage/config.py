@@ -39,6 +39,8 @@ LOAD_MODES = ("runtime-slice", "artifact-slice", "layer-package")
 SPLIT_MODES = ("auto", "none", "layer", "row", "tensor")
 WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
 HOP_TRANSPORTS = ("tcp", "stream")
+# The largest CPU latency the kernel's QoS takes (its "no request" value).
+WAKE_LATENCY_MAX_US = 2_000_000_000
 # llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences (lanes) than this.
 MAX_LANES = 256
 # Longest session id any stage accepts (it names a lane in logs, status and metrics).
@@ -238,6 +240,11 @@ class StageConfig:
     max_inflight: int = 1
     # Prometheus metrics over HTTP on this port (unset: no metrics endpoint).
     metrics_port: int | None = None
+    # Hold the host's idle CPUs to waking within this many microseconds while the stage runs
+    # (the kernel's CPU latency QoS, /dev/cpu_dma_latency; 0: idle CPUs poll instead of sleeping),
+    # so a frame does not wait for a halted CPU: on a VM that wake cost a hop ~40 us (bench).
+    # Host-wide, costs idle power, needs write access to the device. Unset: the host's own policy.
+    cpu_wake_latency_us: int | None = None
     # A session untouched for this long is freed (on every stage, each by its own clock),
     # so a client or head that vanished never pins a lane; 0: never.
     session_idle_ttl_s: float = 600.0
@@ -534,6 +541,9 @@ def _validate(cfg: StageConfig) -> None:
         _require_int(cfg, name, 0, optional=True)
         if getattr(cfg, name) is not None and getattr(cfg, name) > 65535:
             raise _fail(cfg, name, getattr(cfg, name), "must be a TCP port (0..65535)")
+    _require_int(cfg, "cpu_wake_latency_us", 0, optional=True)
+    if cfg.cpu_wake_latency_us is not None and cfg.cpu_wake_latency_us > WAKE_LATENCY_MAX_US:
+        raise _fail(cfg, "cpu_wake_latency_us", cfg.cpu_wake_latency_us, f"must be <= {WAKE_LATENCY_MAX_US}")
     if cfg.http_port is not None and cfg.layer_start != 0:
         raise _fail(cfg, "http_port", cfg.http_port, "is served by the head stage only (layer_start=0)")
     _require_int(cfg, "admission_queue", 0)

@@ -435,6 +435,17 @@ def test_timeouts_must_be_positive_numbers_of_seconds(field, value):
         StageConfig.from_dict({**MINIMAL, field: value})
 
 
+@pytest.mark.parametrize("value", [-1, True, 1.5, "0", 2_000_000_001])
+def test_cpu_wake_latency_must_be_microseconds_the_kernel_takes(value):
+    with pytest.raises(ConfigError, match=f"cpu_wake_latency_us={value!r}"):
+        StageConfig.from_dict({**MINIMAL, "cpu_wake_latency_us": value})
+
+
+def test_cpu_wake_latency_is_left_to_the_host_unless_asked():
+    assert StageConfig.from_dict(MINIMAL).cpu_wake_latency_us is None
+    assert StageConfig.from_dict({**MINIMAL, "cpu_wake_latency_us": 0}).cpu_wake_latency_us == 0
+
+
 # -- return_to (the final stage's direct return to the head) ------------------------
 
 HEAD = {"stage_id": "stage-0", "stage_index": 0, "endpoint": "127.0.0.1:5000"}

@@ -28,6 +28,7 @@ from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, 
 from skippy_stage.config import StageConfig
 from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.server import wake_latency
 from skippy_stage.stage import wire
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -126,6 +127,17 @@ def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, objec
     return {"prefill_tps": prefill_tps, "aggregate": aggregate}
 
 
+def wake_latency_setting() -> int | None:
+    """The ``cpu_wake_latency_us`` every bench stage holds: 0 (idle CPUs poll) where this process
+    may ask the kernel, the host's own idle policy otherwise. The request is host-wide, so the
+    single process, measured while pipelines are up, runs under it too.
+    SKIPPY_BENCH_WAKE_LATENCY_US overrides: a number, or "host" to leave the host's policy."""
+    override = os.environ.get("SKIPPY_BENCH_WAKE_LATENCY_US")
+    if override:
+        return None if override == "host" else int(override)
+    return 0 if os.access(wake_latency.DEVICE, os.W_OK) else None
+
+
 def stage_threads(n_stages: int) -> int:
     """llama.cpp threads per local stage, as `up` gives them (all cores: only a busy stage
     spins); SKIPPY_BENCH_STAGE_THREADS overrides, e.g. 1 for cores/stages on 2 cores."""
@@ -146,6 +158,7 @@ class _Pipeline:
             "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
             **({"hop_transport": transport} if transport else {}),
             **({} if prefix_cache else {"cache_idle_slots": 0}), "kv_unified": kv_unified,
+            "cpu_wake_latency_us": wake_latency_setting(),
         }, return_path=return_path)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
@@ -290,6 +303,60 @@ def hop_floor_us(rounds: int = 2000) -> dict[str, float]:
             proc.kill()
     return {"grpc_stream_round_trip_us": grpc_us, "tcp_frame_round_trip_us": frame_us,
             "tcp_socket_round_trip_us": socket_us}
+
+
+def _wake_receiver(port: int, ready, result) -> None:
+    import socket
+    import statistics
+
+    listener = socket.create_server(("127.0.0.1", port))
+    ready.set()
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    late = []
+    while len(data := conn.recv(8)) == 8:
+        late.append(time.time_ns() - int.from_bytes(data, "little"))
+    result.put(statistics.median(late) / 1e3)
+
+
+def wake_floor_us(sends: int = 400, busy_s: float = 0.003) -> dict[str, float]:
+    """One-way latency of a send to a process that sleeps in ``recv`` while the sender computes
+    (``busy_s`` of spinning between sends, as a stage's decode): what a hop pays to wake the
+    next stage's CPU, under the host's idle policy and, where this process may ask, with idle
+    CPUs held to 0 us (``cpu_wake_latency_us: 0``)."""
+    import multiprocessing
+    import socket
+
+    def one() -> float:
+        port = free_ports("127.0.0.1", 1)[0]
+        ctx = multiprocessing.get_context("spawn")
+        ready, result = ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=_wake_receiver, args=(port, ready, result), daemon=True)
+        proc.start()
+        try:
+            if not ready.wait(60):
+                raise RuntimeError("the wake receiver did not start")
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for _ in range(sends):
+                    until = time.perf_counter() + busy_s
+                    while time.perf_counter() < until:
+                        pass
+                    sock.sendall(time.time_ns().to_bytes(8, "little"))
+            return result.get(timeout=60)
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    out = {"host_policy": one()}
+    if os.access(wake_latency.DEVICE, os.W_OK):
+        request = wake_latency.WakeLatencyRequest(0, stage_id="bench")
+        try:
+            out["held_0_us"] = one()
+        finally:
+            request.close()
+    return out
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -454,6 +521,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["chat_ttft_s"] = _chat_ttft(model, Path(tmp), cache_dir)
         report["speculative"] = _speculative(model, Path(tmp), cache_dir)
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
+        report["wake_floor_us"] = wake_floor_us(100 if _QUICK else 400)
+        report["cpu_wake_latency_us"] = wake_latency_setting()
         report["transport_floor_us"] = {"grpc_stream": report["hop_floor_us"]["grpc_stream_round_trip_us"],
                                         "tcp_frame": report["hop_floor_us"]["tcp_frame_round_trip_us"],
                                         "tcp_socket": report["hop_floor_us"]["tcp_socket_round_trip_us"]}
@@ -691,6 +760,12 @@ def format_table(report: dict[str, object]) -> str:
     lines.append(f"hop floor, 2304-byte frame to another process and back: grpcio stream "
                  f"{floor['grpc_stream_round_trip_us']:.0f} us, TCP frames {floor['tcp_frame_round_trip_us']:.0f} us, "
                  f"bare TCP socket {floor['tcp_socket_round_trip_us']:.0f} us")
+    wake = r["wake_floor_us"]
+    held = r["cpu_wake_latency_us"]
+    lines.append(f"wake of a sleeping receiver, one-way (sender busy 3 ms between sends): host idle policy "
+                 f"{wake['host_policy']:.0f} us" + (f", idle CPUs held to 0 us {wake['held_0_us']:.0f} us"
+                                                    if "held_0_us" in wake else "")
+                 + f"; bench stages held cpu_wake_latency_us={'unset (host policy)' if held is None else held}")
     for n, cpu in r["stage_cpu_ms_per_token"].items():
         lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
     for n, by_stage in r["stage_compute_ms_by_stage"].items():

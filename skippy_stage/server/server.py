@@ -21,6 +21,7 @@ from skippy_stage.errors import ConfigError, DownstreamError
 from skippy_stage.security import BearerTokenInterceptor, Credentials
 from skippy_stage.server.monitor import DownstreamMonitor
 from skippy_stage.server.service import StageServicer
+from skippy_stage.server.wake_latency import WakeLatencyRequest
 from skippy_stage.stage.listener import FrameListener
 from skippy_stage.stage.stage import Stage, StageState
 from skippy_stage.v1 import stage_pb2 as pb
@@ -51,6 +52,7 @@ class StageServer:
 
     def __init__(self, config: StageConfig) -> None:
         self.config = config
+        self.wake_latency: WakeLatencyRequest | None = None
         self.stage = Stage(config, max_message_bytes=config.max_message_bytes)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         credentials = Credentials.from_config(config)
@@ -90,6 +92,9 @@ class StageServer:
                         else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def start(self) -> None:
+        # First: a stage told to hold the host's CPUs quick to wake and unable to refuses to start.
+        if self.config.cpu_wake_latency_us is not None:
+            self.wake_latency = WakeLatencyRequest(self.config.cpu_wake_latency_us, stage_id=self.config.stage_id)
         self.server.start()
         if self.frames is not None:
             self.frames.start()
@@ -131,6 +136,8 @@ class StageServer:
         if self.frames is not None:
             self.frames.close()
         self.stage.close()
+        if self.wake_latency is not None:
+            self.wake_latency.close()
 
 
 def serve(config: StageConfig, *, grace_s: float = 10.0, ready: Callable[[int], None] | None = None) -> int:
@@ -139,7 +146,8 @@ def serve(config: StageConfig, *, grace_s: float = 10.0, ready: Callable[[int], 
     tracing.label(f"stage{config.stage_index}")
     server = StageServer(config)
     server.start()
-    slog.info("stage listening", port=server.port, bind_addr=config.bind_addr, state="loading")
+    slog.info("stage listening", port=server.port, bind_addr=config.bind_addr, state="loading",
+              cpu_wake_latency_us=config.cpu_wake_latency_us)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -51,6 +51,9 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert set(report["hop_floor_us"]) == {"grpc_stream_round_trip_us", "tcp_frame_round_trip_us",
                                            "tcp_socket_round_trip_us"}
     assert all(v > 0 for v in report["hop_floor_us"].values())
+    # What waking a sleeping stage costs, under the host's idle policy (and held, where allowed).
+    assert report["wake_floor_us"]["host_policy"] > 0
+    assert "cpu_wake_latency_us" in report and "wake of a sleeping receiver" in run.stdout
     assert "straight to the head" in run.stdout and "hop floor" in run.stdout and "hop latency" in run.stdout
     # The 4-turn chat on 3 stages with resident prefixes and without: time to first token per turn.
     assert set(report["chat_ttft_s"]) == {"with_prefix_cache", "without_prefix_cache"}
