@@ -35,6 +35,8 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
         extra["ctx_size"] = args.ctx_size
     if args.wire_dtype:
         extra["wire_dtype"] = args.wire_dtype
+    if args.cpu_wake_latency_us is not None:
+        extra["cpu_wake_latency_us"] = args.cpu_wake_latency_us
     # Local stages share this machine's cores. With GOMP_SPINCOUNT bounded (LocalPipeline
     # sets it) an idle stage's threads sleep, so each stage may use every core while it
     # computes: on 2 cores, 3 stages decode in 15.3 ms/token with 2 threads each vs 19.6 with
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--lanes", type=int, default=4)
         p.add_argument("--threads", type=int, default=0, help="llama.cpp threads per stage (default: all cores)")
         p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None)
+        p.add_argument("--cpu-wake-latency-us", type=int, default=None,
+                       help="hold this host's idle CPUs to waking within this many us while the stages run "
+                            "(0: they poll; needs write access to /dev/cpu_dma_latency)")
         p.add_argument("--start-timeout", type=float, default=300.0)
         p.add_argument("--return-path", choices=("relay", "direct"), default="direct",
                        help="sampled tokens back to the head through every stage (relay) or also straight "
