@@ -28,6 +28,8 @@ def test_a_request_that_cannot_be_held_names_the_setting_the_device_and_the_way_
 @needs_device
 def test_the_request_holds_while_open_and_ends_with_close():
     before = wake_latency.current_us()
+    if before == 0:
+        pytest.skip("another process holds this host's CPUs at 0 us already: a request cannot be told apart")
     request = WakeLatencyRequest(0, stage_id="stage-0")
     try:
         assert wake_latency.current_us() == 0
@@ -40,7 +42,8 @@ def test_the_request_holds_while_open_and_ends_with_close():
 @needs_device
 def test_a_serving_stage_holds_its_wake_latency_until_it_stops(smollm2, start_pipeline):
     before = wake_latency.current_us()
-    assert before > 0, "another process already holds the host at 0 us; the test cannot tell"
+    if before == 0:
+        pytest.skip("another process holds this host's CPUs at 0 us already: a stage's request cannot be told apart")
     pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, cpu_wake_latency_us=[None, 0])
     try:
         assert wake_latency.current_us() == 0
