@@ -11,7 +11,7 @@ Runs the packaged SmolLM2 greedy, one token at a time, four ways, in interleaved
   ``multiprocessing`` pipes.
 
 Every contender is the project's own runtime (``StageRuntime.run_batch``, the same slices, 2
-threads, ``GOMP_SPINCOUNT`` as co-located stages get it) and the driver sends each token over a
+threads, OpenMP's spin count and binding as co-located stages get them) and the driver sends each token over a
 pipe, so ``whole`` pays a hand-off too. The pipes carry no protocol at all: no gRPC, no framing,
 no checks, no lanes beyond the runtime's, no metrics, no return path. What separates ``pipe3``
 from ``whole`` is therefore the split itself (three decodes instead of one: ``chain3``) and
@@ -117,9 +117,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=100, help="tokens per round (positions grow across rounds)")
     args = parser.parse_args()
-    from skippy_stage.config import SHARED_HOST_SPINCOUNT
+    from skippy_stage.config import shared_host_openmp
 
-    os.environ.setdefault("GOMP_SPINCOUNT", SHARED_HOST_SPINCOUNT)  # as co-located stages get it (children inherit it)
+    os.environ.update(shared_host_openmp(dict(os.environ)))  # as co-located stages get it (children inherit it)
     with tempfile.TemporaryDirectory(prefix="skippy-floor-") as cache_dir:
         contenders = {name: Contender(name, cache_dir) for name in SPLITS}
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}

@@ -555,6 +555,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
         # process runs as llama-cpp-python does (an operator's GOMP_SPINCOUNT applies to both).
         report["openmp_spincount"] = {"stages": stage_environment()["GOMP_SPINCOUNT"],
                                       "single_process": os.environ.get("GOMP_SPINCOUNT", "libgomp default")}
+        report["openmp_proc_bind"] = {"stages": stage_environment().get("OMP_PROC_BIND", "libgomp default"),
+                                      "single_process": os.environ.get("OMP_PROC_BIND", "libgomp default")}
         report["hidden_state_capture"] = _capture_kind()
         # The whole cost of splitting, per extra stage, as seen by a client.
         report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 2 * 1e3
@@ -772,8 +774,9 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"compute ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in by_stage)
                      + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "
                        f"{r['single_process_ms_per_token']:.2f} in all)")
-    spin = r["openmp_spincount"]
-    lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; "
+    spin, bind = r["openmp_spincount"], r["openmp_proc_bind"]
+    lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; threads "
+                 f"bound: stages {bind['stages']}, single process {bind['single_process']}; "
                  f"hidden-state capture {r['hidden_state_capture']}")
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
     return "\n".join(lines)

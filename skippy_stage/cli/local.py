@@ -17,15 +17,15 @@ import threading
 import time
 from pathlib import Path
 
-from skippy_stage.config import SHARED_HOST_SPINCOUNT, chain_links
+from skippy_stage.config import chain_links, shared_host_openmp
 from skippy_stage.errors import SkippyError
 
 
 def stage_environment() -> dict[str, str]:
     """The environment of a ``serve`` process started here, beside other stages: OpenMP's spin
-    count for a shared host (unless the operator set one), and who to die with."""
-    return {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", SHARED_HOST_SPINCOUNT),
-            PARENT_ENV: str(os.getpid())}
+    count and thread binding for a shared host (unless the operator set their own), and who to
+    die with."""
+    return {**os.environ, **shared_host_openmp(dict(os.environ)), PARENT_ENV: str(os.getpid())}
 
 
 def parse_layers(text: str) -> list[tuple[int, int]]:

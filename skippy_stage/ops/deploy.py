@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from skippy_stage.config import SHARED_HOST_SPINCOUNT, chain_links
+from skippy_stage.config import chain_links, shared_host_openmp
 from skippy_stage.errors import PlanError
 from skippy_stage.ops.footprint import MIB
 from skippy_stage.ops.plan import Plan
@@ -158,8 +158,9 @@ def compose_document(configs: list[dict[str, Any]], *, image: str = DEFAULT_IMAG
             "stop_signal": "SIGTERM",
             "stop_grace_period": f"{STOP_GRACE_S}s",
             "restart": "on-failure",
-            # every stage on one host: OpenMP workers must not spin on the cores the next stage needs
-            "environment": {"GOMP_SPINCOUNT": SHARED_HOST_SPINCOUNT},
+            # every stage on one host: OpenMP workers must not spin on the cores the next stage needs,
+            # and are bound one to a core
+            "environment": shared_host_openmp({}),
         }
         if i == 0:
             service["ports"] = [f"{port}:{port}"]  # the head is where clients connect

@@ -41,6 +41,19 @@ def test_stages_started_here_share_the_host_and_sleep_their_openmp_workers_soon(
     assert stage_environment()["GOMP_SPINCOUNT"] == "12345", "an operator's value wins"
 
 
+def test_stages_started_here_bind_their_openmp_threads_unless_the_operator_placed_them(monkeypatch):
+    from skippy_stage.cli.local import stage_environment
+
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+    assert stage_environment()["OMP_PROC_BIND"] == "true"
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "0-1")
+    assert "OMP_PROC_BIND" not in stage_environment(), "an operator's placement wins"
+    monkeypatch.delenv("GOMP_CPU_AFFINITY")
+    monkeypatch.setenv("OMP_PROC_BIND", "false")
+    assert stage_environment()["OMP_PROC_BIND"] == "false"
+
+
 def test_a_stage_alone_on_its_host_keeps_libgomps_own_spin_count():
     """Importing the package and its server sets nothing: a stage on a node of its own keeps its
     OpenMP worker awake between frames (libgomp's default), which an idle VM needs."""
@@ -48,12 +61,12 @@ def test_a_stage_alone_on_its_host_keeps_libgomps_own_spin_count():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_PROC_BIND")}
     run = subprocess.run([sys.executable, "-c", "import os, skippy_stage.server.server, skippy_stage.cli.commands; "
-                          "print(os.environ.get('GOMP_SPINCOUNT'))"], capture_output=True, text=True, env=env,
-                         timeout=120)
+                          "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_PROC_BIND'))"],
+                         capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "None"
+    assert run.stdout.strip() == "None None"
 
 
 _CHILD = ("from skippy_stage.cli.local import die_with_parent; die_with_parent(); import time; time.sleep(60)")
