@@ -135,7 +135,7 @@ def wake_latency_setting() -> int | None:
     override = os.environ.get("SKIPPY_BENCH_WAKE_LATENCY_US")
     if override:
         return None if override == "host" else int(override)
-    return 0 if os.access(wake_latency.DEVICE, os.W_OK) else None
+    return 0 if wake_latency.may_request() else None
 
 
 def stage_threads(n_stages: int) -> int:
@@ -350,7 +350,7 @@ def wake_floor_us(sends: int = 400, busy_s: float = 0.003) -> dict[str, float]:
                 proc.kill()
 
     out = {"host_policy": one()}
-    if os.access(wake_latency.DEVICE, os.W_OK):
+    if wake_latency.may_request():
         request = wake_latency.WakeLatencyRequest(0, stage_id="bench")
         try:
             out["held_0_us"] = one()

@@ -51,6 +51,11 @@ class WakeLatencyRequest:
             self._fd = None
 
 
+def may_request(device: str = DEVICE) -> bool:
+    """Whether this process may hold a request (it may write the device)."""
+    return os.access(device, os.W_OK)
+
+
 def current_us(device: str = DEVICE) -> int:
     """The latency the host's idle states are held to now: the smallest request held by any
     process (``config.WAKE_LATENCY_MAX_US``, the kernel's default, when none is). Needs read access to the device."""
