@@ -33,6 +33,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StageService"].full_name
 # A health service name that answers SERVING while the process is up and not draining:
 # for liveness probes, which must not restart a stage merely because its downstream is down.
 LIVENESS_SERVICE = "liveness"
+# How soon the main thread notices a signal delivered to another of the process's threads.
+SIGNAL_POLL_S = 0.2
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -180,7 +182,11 @@ def serve(config: StageConfig, *, grace_s: float = 10.0, ready: Callable[[int], 
         stop.wait(0.1)
     if ready is not None:
         ready(server.port)
-    stop.wait()
+    # Waits in slices: Python runs a signal's handler on the main thread only, once that thread
+    # runs; a SIGTERM the kernel hands to another thread (OpenMP's, gRPC's) would otherwise leave
+    # it asleep here for good (seen: a bound co-located stage ignoring SIGTERM until killed).
+    while not stop.wait(SIGNAL_POLL_S):
+        pass
     server.drain(grace_s)
     slog.info("stage stopped")
     return 0

@@ -570,10 +570,10 @@ class Stage:
             self.free_sessions(sessions)
         if not reply.return_key:
             # The edge below the failed stage broke: whatever was in flight through it is lost.
-            self.log.warning("an edge below broke", failed_stage=error.stage_id, error=str(error))
             if error.code_name == "UNAVAILABLE":
                 self.downstream_health = HealthProbe(False, str(error))
-            self.returns.fail_all(error)
+            lost = self.returns.fail_all(error)
+            self._log_break("an edge below broke", lost, failed_stage=error.stage_id, error=str(error))
             self.inbound.broadcast(reply)
             return
         if not self.returns.fail(reply.return_key, error):
@@ -594,8 +594,14 @@ class Stage:
         if client is not None and client is self.downstream:
             self.downstream_health = HealthProbe(False, str(error))
         lost = self.returns.fail_all(error)
-        self.log.warning("downstream link broke", failed_stage=error.stage_id, error=str(error), steps_lost=lost)
+        self._log_break("downstream link broke", lost, failed_stage=error.stage_id, error=str(error))
         self.inbound.broadcast(error_reply(error, return_key="", session_ids=[]))
+
+    def _log_break(self, event: str, lost: int, **fields: object) -> None:
+        """A warning, unless nothing was lost and this stage is on its way out too: stages that
+        stop together (``up``, ``demo``) see their neighbours close, and that is no news."""
+        quiet = lost == 0 and self.state in (StageState.DRAINING, StageState.STOPPED)
+        (self.log.info if quiet else self.log.warning)(event, steps_lost=lost, **fields)
 
     def deliver_return(self, key: str, outputs: Outputs) -> bool:
         """A final stage's direct return; False when no step waits for it (late or unknown)."""

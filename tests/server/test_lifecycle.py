@@ -92,6 +92,24 @@ def test_sigterm_drains_the_generation_in_flight_refuses_new_ones_and_exits_zero
     pipeline.stop()
 
 
+def test_sigterm_delivered_to_any_thread_of_a_stage_stops_it(smollm2, start_pipeline):
+    """The kernel may hand a process's SIGTERM to any of its threads (OpenMP's, gRPC's); Python
+    runs the handler on the main thread only once that thread runs. Sent here to one thread
+    that is not the main one, as an orchestrator's SIGTERM can land."""
+    import ctypes
+    import os
+
+    tgkill = getattr(ctypes.CDLL(None), "tgkill", None)
+    if tgkill is None:
+        pytest.skip("this libc has no tgkill()")
+    pipeline = start_pipeline(smollm2, [(0, 30)], n_threads=2)
+    proc = pipeline.procs[0]
+    others = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+    assert others, "a serving stage runs more threads than its main one"
+    assert tgkill(proc.pid, others[-1], signal.SIGTERM) == 0
+    assert proc.wait(10) == 0
+
+
 def test_a_session_left_idle_expires_on_every_stage(smollm2, start_pipeline):
     pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, session_idle_ttl_s=1.0)
     try:

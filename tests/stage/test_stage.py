@@ -151,6 +151,31 @@ def test_a_broken_edge_fails_the_waiting_steps_and_tells_the_stages_above(smollm
         close(stages)
 
 
+def test_a_link_breaking_is_a_warning_unless_its_stage_is_stopping_too_and_nothing_was_lost(smollm2, slice_cache):
+    """Stages stopped together (``up``, ``demo``) see their neighbours close: with nothing in flight
+    that is no news to an operator; the same break while serving, or one that loses steps, is."""
+    import structlog
+
+    from skippy_stage.stage.stage import StageState
+
+    stages = chain(smollm2, slice_cache, direct=True)
+    try:
+        lost = DownstreamError("stage stage-2 at local failed: UNAVAILABLE: frame link broke", stage_id="stage-2")
+        levels = {}
+        for state in (StageState.SERVING, StageState.DRAINING):
+            for stage in stages[:2]:
+                if stage.state is not state:
+                    stage.transition(state)
+            with structlog.testing.capture_logs() as logs:
+                stages[1]._link_broken(stages[1].downstream, lost)
+            levels[state] = {(e["stage_id"], e["event"]): e["log_level"] for e in logs if "broke" in e["event"]}
+        assert levels[StageState.SERVING] == {("stage-1", "downstream link broke"): "warning",
+                                              ("stage-0", "an edge below broke"): "warning"}
+        assert levels[StageState.DRAINING] == {}, "not warnings (the tests' loggers keep warnings and up)"
+    finally:
+        close(stages)
+
+
 class _Collector:
     """Stands in for the final stage below stage-1: keeps the frames it is sent."""
 
