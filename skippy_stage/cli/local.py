@@ -211,11 +211,13 @@ class LocalPipeline:
         raise SkippyError(f"the pipeline was not SERVING within {timeout_s:.0f}s")
 
     def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to the head first and to each stage once the one above it has gone (within
+        ``grace_s`` in all): the generations under way drain through a chain that still serves,
+        and no stage sees the one below it close while it serves (a broken link, to it)."""
+        deadline = time.monotonic() + grace_s
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
