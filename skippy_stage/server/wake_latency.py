@@ -30,7 +30,6 @@ class WakeLatencyRequest:
     kernel drops it with the file)."""
 
     def __init__(self, microseconds: int, *, stage_id: str, device: str = DEVICE) -> None:
-        self.microseconds = microseconds
         try:
             self._fd: int | None = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:

@@ -156,6 +156,7 @@ def test_a_link_breaking_is_a_warning_unless_its_stage_is_stopping_too_and_nothi
     that is no news to an operator; the same break while serving, or one that loses steps, is."""
     import structlog
 
+    from skippy_stage.stage.returns import HopFuture
     from skippy_stage.stage.stage import StageState
 
     stages = chain(smollm2, slice_cache, direct=True)
@@ -172,6 +173,12 @@ def test_a_link_breaking_is_a_warning_unless_its_stage_is_stopping_too_and_nothi
         assert levels[StageState.SERVING] == {("stage-1", "downstream link broke"): "warning",
                                               ("stage-0", "an edge below broke"): "warning"}
         assert levels[StageState.DRAINING] == {}, "not warnings (the tests' loggers keep warnings and up)"
+        # Stopping too, but a step was waiting on the link: that loss is news.
+        stages[1].returns.expect(HopFuture())
+        with structlog.testing.capture_logs() as logs:
+            stages[1]._link_broken(stages[1].downstream, lost)
+        assert [(e["stage_id"], e["log_level"], e["steps_lost"]) for e in logs if e["event"] == "downstream link broke"] \
+            == [("stage-1", "warning", 1)]
     finally:
         close(stages)
 
