@@ -361,24 +361,27 @@ class StageRuntime:
             pos = np.asarray(e.positions)
             if pos.ndim != 1 or pos.shape[0] == 0 or pos.dtype.kind not in "iu":
                 raise InvalidRequestError(f"{where}.positions must be a non-empty list of integers, got {pos.shape[0] if pos.ndim == 1 else pos.shape} values")
-            total += pos.shape[0]
+            n = pos.shape[0]
+            total += n
             if total > cfg.n_batch:
                 raise InvalidRequestError(f"batch has more than n_batch={cfg.n_batch} tokens ({where} brings the total to {total})")
-            if pos[0] < 0 or pos[-1] >= 2**31 - 1:
-                k = 0 if pos[0] < 0 else pos.shape[0] - 1
-                raise InvalidRequestError(f"{where}.positions[{k}]={int(pos[k])} is out of range [0, 2^31-1)")
-            gaps = np.nonzero(np.diff(pos) != 1)[0] if pos.shape[0] > 1 else ()
-            if len(gaps):
-                k = int(gaps[0])
+            # Python ints from here: numpy scalars cost a dispatch per comparison.
+            first, last = int(pos[0]), int(pos[-1])
+            if first < 0 or last >= 2**31 - 1:
+                k, bad = (0, first) if first < 0 else (n - 1, last)
+                raise InvalidRequestError(f"{where}.positions[{k}]={bad} is out of range [0, 2^31-1)")
+            if n > 1 and last - first != n - 1 or n > 2 and (np.diff(pos) != 1).any():
+                k = int(np.nonzero(np.diff(pos) != 1)[0][0])
                 raise InvalidRequestError(
                     f"{where}.positions are not contiguous: positions[{k}]={int(pos[k])} is followed by {int(pos[k + 1])}"
                 )
             tokens = None
             if e.token_ids is not None:
                 tokens = np.asarray(e.token_ids)
-                if tokens.ndim != 1 or tokens.shape[0] != pos.shape[0] or (tokens.size and tokens.dtype.kind not in "iu"):
-                    raise InvalidRequestError(f"{where}.token_ids has {tokens.shape} values for {pos.shape[0]} positions")
-                if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+                if tokens.ndim != 1 or tokens.shape[0] != n or (tokens.size and tokens.dtype.kind not in "iu"):
+                    raise InvalidRequestError(f"{where}.token_ids has {tokens.shape} values for {n} positions")
+                if (not 0 <= int(tokens[0]) < self.n_vocab if n == 1 else
+                        tokens.min() < 0 or tokens.max() >= self.n_vocab):
                     bad = np.nonzero((tokens < 0) | (tokens >= self.n_vocab))[0]
                     k = int(bad[0])
                     raise InvalidRequestError(f"{where}.token_ids[{k}]={int(tokens[k])} is out of range [0, {self.n_vocab})")
@@ -393,8 +396,8 @@ class StageRuntime:
                     raise InvalidRequestError(f"{where}.hidden must be a 2-D float32 array (rows x n_embd={self.n_embd})")
                 if h.shape[1] != self.n_embd:
                     raise InvalidRequestError(f"{where}.hidden width {h.shape[1]} != n_embd {self.n_embd}")
-                if h.shape[0] != pos.shape[0]:
-                    raise InvalidRequestError(f"{where}.hidden has {h.shape[0]} rows for {pos.shape[0]} positions")
+                if h.shape[0] != n:
+                    raise InvalidRequestError(f"{where}.hidden has {h.shape[0]} rows for {n} positions")
                 if h.dtype != np.float32:
                     raise InvalidRequestError(f"{where}.hidden dtype {h.dtype} is not float32")
                 # A sum is finite only if every value is (NaN and inf propagate); an overflowing
@@ -419,7 +422,7 @@ class StageRuntime:
                     raise InvalidRequestError(f"{where}.sampling.logit_bias names token {bad[0]}, outside "
                                               f"[0, {self.n_vocab})")
             every_row = e.all_rows or e.verify or e.prompt_logprobs is not None
-            outputs += int(pos.shape[0]) if every_row else int(e.sample or e.want_logits)
+            outputs += n if every_row else int(e.sample or e.want_logits)
             if cfg.include_output and outputs > cfg.n_ubatch:
                 # llama.cpp's output buffer grows to the largest batch's outputs x n_vocab floats
                 raise InvalidRequestError(f"{where} brings the batch's output rows to {outputs}: at most "
@@ -438,9 +441,9 @@ class StageRuntime:
                     raise InvalidRequestError(f"{where}.next_token={e.next_token} is out of range [0, {self.n_vocab})")
             # Each sample adds one token (a verify step samples once per token it keeps), so a session
             # has sampled at most as often as it holds tokens: that bounds the skip a client asks for.
-            if not 0 <= e.draws_before <= int(pos[0]):
+            if not 0 <= e.draws_before <= first:
                 raise InvalidRequestError(f"{where}.draws_before={e.draws_before} must be in [0, "
-                                          f"positions[0]={int(pos[0])}]: a session samples once per token")
+                                          f"positions[0]={first}]: a session samples once per token")
             if e.verify and (not e.sample or tokens is None):
                 raise InvalidRequestError(f"{where}.verify needs sample and the token_ids it verifies")
             checked.append(_Checked(e, pos.astype(np.int32), tokens))

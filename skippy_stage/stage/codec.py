@@ -148,25 +148,28 @@ def _write_descriptor(d: wire.FrameDescriptor, into: pb.FrameDescriptor) -> pb.F
 
 
 def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
+    # Positional, in StepEntry's field order: keywords cost a dict per entry per frame, and this
+    # runs for every entry at every stage, on caches the last decode has just emptied.
+    sample_last = e.sample_last
     return StepEntry(
-        session_id=e.session_id,
+        e.session_id,
         # Tuples: the checks turn them into arrays once (np.array here would cost as much again).
-        positions=tuple(e.positions),
-        token_ids=tuple(e.token_ids) if len(e.token_ids) else None,
-        phase=_PB_TO_PHASE.get(e.phase, ""),
-        sample_last=e.sample_last,
-        want_logits=e.want_logits,
+        tuple(e.positions),
+        tuple(e.token_ids) if len(e.token_ids) else None,
+        _PB_TO_PHASE.get(e.phase, ""),
+        sample_last,
+        e.want_logits,
         # Acted on by the final stage only, and checked only where it will be.
-        sampling=_sampling_of(e.sampling) if e.sample_last and e.HasField("sampling") else None,
-        prefix_id=e.prefix_id or None,
-        rewind=e.rewind,
-        verify=e.verify,
-        all_rows=e.all_rows,
-        top_logprobs=e.top_logprobs if e.HasField("top_logprobs") else None,
-        fork_of=e.fork_of or None,
-        prompt_logprobs=e.prompt_logprobs if e.HasField("prompt_logprobs") else None,
-        next_token=e.next_token if e.HasField("next_token") else None,
-        draws_before=e.draws_before,
+        _sampling_of(e.sampling) if sample_last and e.HasField("sampling") else None,
+        e.prefix_id or None,
+        e.rewind,
+        e.verify,
+        e.all_rows,
+        e.top_logprobs if e.HasField("top_logprobs") else None,
+        e.fork_of or None,
+        e.prompt_logprobs if e.HasField("prompt_logprobs") else None,
+        e.next_token if e.HasField("next_token") else None,
+        e.draws_before,
     )
 
 

@@ -183,6 +183,7 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
         hidden = wire.decode(frame.payload, desc.dtype, desc.token_count, desc.width)
     entries: list[BatchEntry] = []
     offset = 0
+    final = shape.include_output
     for i, e in enumerate(step.entries):
         n = rows_per_entry[i]
         if n == 0:
@@ -194,30 +195,35 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
                 raise InvalidRequestError(f"entries[{i}].token_ids has {token_ids.shape[0]} values for {n} positions")
         rows = None if hidden is None else hidden[offset : offset + n]
         offset += n
-        if e.verify and not e.sample_last:
-            raise InvalidRequestError(f"entries[{i}].verify needs sample_last (it samples every row)")
-        if e.verify and e.want_logits:
-            raise InvalidRequestError(f"entries[{i}] sets both verify and want_logits: a verify entry returns samples only")
-        if e.verify and token_ids is None:
-            raise InvalidRequestError(f"entries[{i}].verify needs token_ids: the drafts it verifies")
-        sampling = check_sampling(e.sampling, f"entries[{i}].sampling") if e.sample_last else None
+        sample_last, verify = e.sample_last, e.verify
+        if verify:
+            if not sample_last:
+                raise InvalidRequestError(f"entries[{i}].verify needs sample_last (it samples every row)")
+            if e.want_logits:
+                raise InvalidRequestError(f"entries[{i}] sets both verify and want_logits: a verify entry returns "
+                                          f"samples only")
+            if token_ids is None:
+                raise InvalidRequestError(f"entries[{i}].verify needs token_ids: the drafts it verifies")
+        sampling = check_sampling(e.sampling, f"entries[{i}].sampling") if sample_last else None
+        sampled = sample_last and final
+        # Positional, in BatchEntry's field order (keywords cost a dict per entry per frame).
         entries.append(BatchEntry(
-            session_id=e.session_id,
-            positions=np.asarray(e.positions, dtype=np.int64),
-            token_ids=token_ids,
-            hidden=rows,
-            want_logits=e.want_logits and shape.include_output,
-            sample=e.sample_last and shape.include_output,
-            sampling=sampling,
-            prefix_id=e.prefix_id,
-            rewind=e.rewind,
-            verify=e.verify and shape.include_output,
-            all_rows=(e.all_rows or e.verify) and shape.include_output,
-            top_logprobs=e.top_logprobs if shape.include_output and e.sample_last else None,
-            fork_of=e.fork_of,
-            prompt_logprobs=e.prompt_logprobs if shape.include_output else None,
-            next_token=e.next_token if shape.include_output else None,
-            draws_before=e.draws_before if shape.include_output and e.sample_last else 0,
+            e.session_id,
+            np.asarray(e.positions, dtype=np.int64),
+            token_ids,
+            rows,
+            e.want_logits and final,
+            sampled,
+            sampling,
+            e.prefix_id,
+            e.rewind,
+            verify and final,
+            (e.all_rows or verify) and final,
+            e.top_logprobs if sampled else None,
+            e.fork_of,
+            e.prompt_logprobs if final else None,
+            e.next_token if final else None,
+            e.draws_before if sampled else 0,
         ))
     return entries
 

@@ -79,6 +79,30 @@ def test_what_travels_is_what_the_next_stage_runs():
     assert entries[0].sampling == SamplingParams(temperature=0.5, top_k=40, seed=5)
 
 
+def test_every_field_of_an_entry_travels_and_reaches_the_runtime_under_its_own_name():
+    """The codec and the checks build entries positionally (a keyword dict per entry per frame
+    cost as much as the rest of the conversion); a field added or moved must not land in
+    another's place."""
+    sent = StepEntry("s", (5, 6), (7, 8), PHASE_DECODE, sample_last=True, want_logits=False,
+                     sampling=SamplingParams(temperature=0.5, top_k=3, seed=11), prefix_id="p", rewind=True,
+                     verify=True, all_rows=True, top_logprobs=4, fork_of="f", prompt_logprobs=2, next_token=9,
+                     draws_before=3)
+    rows = np.zeros((2, WIDTH), dtype=np.float32)
+    desc = wire.make_descriptor(dtype="f32", producer_stage_index=1, layer_start=10, layer_end=20, token_count=2,
+                                sequence_count=1, width=WIDTH)
+    step = Step("r", [sent], frame=Activations(desc, wire.encode(rows, "f32")))
+    got = codec.step_from_pb(codec.step_to_pb(step)).entries[0]
+    assert got == sent
+    final = StageShape(stage_id="stage-2", stage_index=2, layer_start=20, layer_end=30, n_embd=WIDTH,
+                       include_embeddings=False, include_output=True, wire_dtype="f32")
+    (entry,) = runtime_entries(Step("r", [got], frame=step.frame), final)
+    assert entry.sample and entry.verify and entry.all_rows and entry.rewind and not entry.want_logits
+    assert (entry.session_id, entry.prefix_id, entry.fork_of) == ("s", "p", "f")
+    assert (entry.top_logprobs, entry.prompt_logprobs, entry.next_token, entry.draws_before) == (4, 2, 9, 3)
+    assert entry.positions.tolist() == [5, 6] and entry.token_ids.tolist() == [7, 8]
+    assert entry.hidden.shape == (2, WIDTH) and entry.sampling == sent.sampling
+
+
 def test_outputs_and_replies_round_trip_tokens_logits_and_errors():
     outputs = Outputs([Output("a", 42), Output("b", None, np.array([0.5, -1.0], dtype=np.float32))], "stage-2")
     ok = codec.reply_from_pb(codec.reply_to_pb(Reply(hop_id=3, return_key="k", outputs=outputs)))
