@@ -19,6 +19,10 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["pipeline_ms_per_token"]) == {"2", "3"}
+    # The whole model on one stage of this stack, in the same rounds: the split's own cost.
+    assert report["one_stage_ms_per_token"] > 0
+    assert {"decode_1_stage", "decode_2_stage_vs_1_stage", "decode_3_stage_vs_1_stage"} <= set(report["ratios"])
+    assert "1 stage (this stack, unsplit)" in run.stdout
     assert set(report["aggregate_tokens_per_s"]["pipeline"]) == {"1", "4", "8"}
     assert set(report["aggregate_tokens_per_s"]["single_process"]) == {"1", "4", "8"}
     assert set(report["prefill_tokens_per_s"]) == {"pipeline", "single_process"}
