@@ -6,10 +6,15 @@ from their owners at scrape time, so there is no second copy of that state to dr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
 from functools import lru_cache
+from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _ENTRY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -18,6 +23,43 @@ _ENTRY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _HOP_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00015, 0.0002, 0.00025, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.002,
                 0.005, 0.01, 0.05, 0.25, 1.0)
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class Histogram:
+    """A Prometheus histogram for the frame path: one observation is a bisect and two adds
+    under one lock, and the buckets are summed only when scraped.
+
+    prometheus_client's own takes a lock per value it touches and checks its state on every
+    call: ~2x the work and ~3x the code, which on a stage's frame path runs on the caches the
+    last decode emptied (``Tally``). Exposed exactly as prometheus_client exposes one:
+    ``_bucket{le=...}`` (cumulative, ``+Inf`` last), ``_count``, ``_sum``.
+    """
+
+    def __init__(self, name: str, documentation: str, *, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._doc = name, documentation
+        self._bounds = tuple(float(b) for b in buckets)
+        self._labels = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
+        self._counts = [0] * (len(self._bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        i = bisect_left(self._bounds, value)  # the first bound >= value: Prometheus buckets are le
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += value
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._doc)]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self._name, self._doc)
+        family.add_metric([], list(zip(self._labels, accumulate(counts))), sum_value=total)
+        yield family
 
 
 class Tally:

@@ -55,3 +55,24 @@ def test_every_log_line_names_the_stage_and_run_and_a_request_logs_once_not_per_
     assert [line["event"] for line in about_session if line["event"] == "generate"] == ["generate"]
     assert len(about_session) <= 3  # one line per request, never one per token (24 tokens here)
     print("a head log line:", json.dumps(next(line for line in about_session if line["event"] == "generate")))
+
+
+def test_the_frame_paths_histograms_expose_what_prometheus_clients_own_would():
+    """Stages observe their per-frame histograms with a leaner class of their own (``metrics.Histogram``);
+    a scraper must not see the difference: the same buckets, counts and sum, bounds included."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client import Histogram as ClientHistogram
+
+    from skippy_stage.metrics import Histogram
+
+    buckets = (0.00002, 0.0002, 0.001, 1.0, 10.0)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    mine = Histogram("skippy_x_seconds", "doc", buckets=buckets, registry=ours)
+    reference = ClientHistogram("skippy_x_seconds", "doc", buckets=buckets, registry=theirs)
+    for v in (0.0, 0.00001, 0.00002, 0.000021, 0.0002, 0.5, 1.0, 9.99, 10.0, 11.0, 1e9):
+        mine.observe(v)
+        reference.observe(v)
+
+    def samples(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+    assert samples(ours) == samples(theirs)
