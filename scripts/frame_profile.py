@@ -10,8 +10,7 @@ per-token path on a real one-token decode frame, again and again (the same posit
   encoded as the TCP hop would, the outputs parsed as the head's return listener would);
 * the inner and the final stage: a frame's bytes parsed as the TCP listener does, then
   ``Stage.accept_frame`` (checks, llama_decode, the capture or the sample, the next frame or
-  the return encoded for the socket); and the same frame the plain way (``codec.plain_frame``,
-  ``Stage.accept_plain``: no step built), as the listener runs a frame that asks for layers only.
+  the return encoded for the socket).
 
 For each it prints the median time per frame, of it llama_decode's, and the rest: the Python
 (and protobuf) a token pays at that stage. ``--cold`` evicts the caches between frames as the
@@ -61,22 +60,6 @@ class _Below:
             self.above.deliver_return(batch.return_key, codec.outputs_from_pb(batch.response))
 
 
-class _PlainBelow:
-    """The edge below for a plain frame: the message sent on is encoded for the socket, as
-    ``DownstreamClient.send_plain`` does, and goes no further."""
-
-    @staticmethod
-    def timeout_for(remaining: float | None) -> float:
-        return 5.0
-
-    @staticmethod
-    def send_plain(frame, payload, shape, return_key, timeout_s) -> None:
-        framing.encode(framing.Kind.HOP_REQUEST, codec.forward_plain(frame, payload, shape, return_key, timeout_s))
-
-    def close(self) -> None:
-        pass
-
-
 def _timed_decode(log: list[int]):
     real = runtime_module.llama_cpp.llama_decode
 
@@ -114,8 +97,7 @@ def _frame_for(stages: list[Stage], index: int) -> framing.pb.HopRequest:
     return codec.frame_to_pb(dataclasses.replace(prompt_frame, step=one))
 
 
-def _measure(run, frames: int, cold: bool, prepare=None) -> tuple[float, float]:
-    """Median time per frame and of llama_decode; ``prepare`` runs before each frame, untimed."""
+def _measure(run, frames: int, cold: bool) -> tuple[float, float]:
     decodes: list[int] = []
     real, decode = _timed_decode(decodes)
     runtime_module.llama_cpp.llama_decode = decode
@@ -123,8 +105,6 @@ def _measure(run, frames: int, cold: bool, prepare=None) -> tuple[float, float]:
     totals = []
     try:
         for _ in range(frames + 20):
-            if prepare is not None:
-                prepare()
             if evict is not None:
                 evict += 1.0
             started = time.perf_counter_ns()
@@ -169,30 +149,12 @@ def main() -> None:
                         stage.accept_frame(codec.frame_from_pb(msg), lambda reply: None)
                 total, decode = _measure(run, args.frames, args.cold)
                 rows.append((name, total, decode))
-                if index:
-                    # The same frame the plain way: no rewind in it (that is not plain), the
-                    # session cut back by hand before each frame instead, untimed.
-                    plain_msg = framing.parse(framing.Kind.HOP_REQUEST, body, framing.Kind.HOP_REQUEST)
-                    plain_msg.request.entries[0].rewind = False
-                    plain_body = plain_msg.SerializeToString()
-
-                    if stage.downstream is not None:
-                        stage.downstream = _PlainBelow()
-
-                    def cut(stage=stage) -> None:
-                        stage.runtime.lanes.trim("s", len(PROMPT))
-
-                    def run_plain(stage=stage, body=plain_body) -> None:
-                        msg = framing.parse(framing.Kind.HOP_REQUEST, body, framing.Kind.HOP_REQUEST)
-                        stage.accept_plain(codec.plain_frame(msg, stage.shape), lambda reply: None)
-                    total, decode = _measure(run_plain, args.frames, args.cold, prepare=cut)
-                    rows.append((f"{name}, plain", total, decode))
             finally:
                 for stage in stages:
                     stage.close()
-    print(f"{'stage':23} {'per frame us':>13} {'llama_decode':>13} {'the rest':>10} {'rest/decode':>12}")
+    print(f"{'stage':16} {'per frame us':>13} {'llama_decode':>13} {'the rest':>10} {'rest/decode':>12}")
     for name, total, decode in rows:
-        print(f"{name:23} {total:13.0f} {decode:13.0f} {total - decode:10.0f} {(total - decode) / decode:12.2f}")
+        print(f"{name:16} {total:13.0f} {decode:13.0f} {total - decode:10.0f} {(total - decode) / decode:12.2f}")
 
 
 if __name__ == "__main__":

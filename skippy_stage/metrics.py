@@ -73,7 +73,7 @@ class Tally:
     next stage's compute, so it is kept small too).
     """
 
-    __slots__ = ("latencies", "computes", "received", "sent", "frames_ok", "plain", "returns")
+    __slots__ = ("latencies", "computes", "received", "sent", "frames_ok", "returns")
 
     def __init__(self) -> None:
         self.latencies: list[float] = []  # seconds, one per frame
@@ -81,7 +81,6 @@ class Tally:
         self.received: list[tuple[str, int]] = []  # (codec, payload bytes) per frame
         self.sent: list[tuple[str, int]] = []
         self.frames_ok = 0
-        self.plain = 0  # of them, frames that ran the plain way (no step built)
         self.returns: list[str] = []  # a final stage's outputs by how they left
 
 
@@ -104,8 +103,6 @@ class StageMetrics:
         self.hop_latency_seconds = Histogram(
             "skippy_hop_latency_seconds", "Seconds from the upstream handing a frame to its transport to this stage "
             "starting on it (clocks of both hosts; exact on one host)", buckets=_HOP_BUCKETS, registry=r)
-        self.plain_frames = Counter("skippy_plain_frames", "Frames from upstream that asked for this stage's layers "
-                                    "and nothing else and ran without a step being built for them", registry=r)
         self.coalesced_frames = Counter("skippy_coalesced_frames", "Frames that arrived together and ran in one "
                                         "llama_decode with others", registry=r)
         self.activation_bytes = Counter("skippy_activation_bytes", "Activation payload bytes, by direction and codec",
@@ -170,8 +167,6 @@ class StageMetrics:
             self._activation("sent", codec).inc(n)
         if tally.frames_ok:
             self.requests(rpc="Frame", code="OK").inc(tally.frames_ok)
-        if tally.plain:
-            self.plain_frames.inc(tally.plain)
         for path in tally.returns:
             self.returns(path=path).inc()
         tally.__init__()

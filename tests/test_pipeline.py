@@ -19,18 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from support.pipeline import (
-    PROMPTS,
-    StreamingRun,
-    assert_no_active_sessions,
-    grpc_generate,
-    metric,
-    reference_texts,
-    scrape,
-    status,
-)
+from support.pipeline import PROMPTS, StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, status
 
-from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -56,19 +46,11 @@ def smollm2_texts(smollm2):
 ], ids=["2-stage", "3-stage", "3-stage-over-the-grpc-stream"])
 def test_generate_prints_exactly_what_the_unsplit_model_completes(ranges, transport, smollm2, smollm2_texts,
                                                                    start_pipeline):
-    metrics_ports = free_ports("127.0.0.1", len(ranges))
-    pipeline = start_pipeline(smollm2, ranges, hop_transport=transport, metrics_port=metrics_ports)
+    pipeline = start_pipeline(smollm2, ranges, hop_transport=transport)
     try:
         for prompt, expected in zip(PROMPTS, smollm2_texts):
             assert cli_generate(pipeline.head_endpoint, prompt, MAX_TOKENS) == expected
         assert_no_active_sessions(pipeline.configs)
-        # Over TCP every stage below the head ran its frames the plain way (no step built: they ask
-        # for layers only), and the text above is the unsplit model's; over the gRPC stream, none did.
-        plain = [metric(scrape(port), "skippy_plain_frames_total") for port in metrics_ports[1:]]
-        if transport == "tcp":
-            assert all(n >= MAX_TOKENS for n in plain), plain
-        else:
-            assert plain == [0.0] * len(plain)
     finally:
         pipeline.stop()
 

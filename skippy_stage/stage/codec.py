@@ -13,26 +13,21 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from skippy_stage.errors import InvalidRequestError
 from skippy_stage.model.lanes import LaneRow, LaneStats, ResidentRow
-from skippy_stage.model.runtime import BatchEntry, KvPage, KvPageDesc, TokenLogprob
+from skippy_stage.model.runtime import KvPage, KvPageDesc, TokenLogprob
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.stage import wire
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.steps import (
-    MAX_RETURN_KEY_LEN,
     PHASE_DECODE,
     PHASE_PREFILL,
     Activations,
     Frame,
     Output,
     Outputs,
-    PlainFrame,
     Reply,
-    StageShape,
     Step,
     StepEntry,
-    check_sampling,
 )
 from skippy_stage.v1 import stage_pb2 as pb
 
@@ -279,75 +274,6 @@ def frame_to_pb(frame: Frame) -> pb.HopRequest:
     msg = pb.HopRequest(hop_id=frame.hop_id, timeout_s=frame.timeout_s, relay=frame.relay,
                         sent_unix_ns=frame.sent_unix_ns)
     _fill_step(msg.request, frame.step)
-    return msg
-
-
-def plain_frame(msg: pb.HopRequest, shape: StageShape) -> PlainFrame | None:
-    """The frame as runtime entries, if it asks ``shape``'s stage for its layers and nothing else
-    (see :class:`PlainFrame`); None otherwise, and for anything a check would refuse, so the
-    general path handles it and names what is wrong. Nothing here refuses and nothing is changed:
-    declining costs only the reading."""
-    req = msg.request
-    entries = req.entries
-    if msg.relay or shape.include_embeddings or not entries or len(req.return_key) > MAX_RETURN_KEY_LEN:
-        return None
-    d = req.frame.descriptor
-    payload = req.frame.payload
-    dtype = PB_TO_DTYPE.get(d.dtype)
-    width = shape.n_embd
-    # wire.validate_descriptor's checks, as conditions (any failure: the general path says which).
-    if (dtype is None or d.version != wire.WIRE_VERSION or d.layout != pb.LAYOUT_TOKEN_MAJOR
-            or d.layer_end != shape.layer_start or d.layer_start >= d.layer_end or d.width != width
-            or d.sequence_count != len(entries) or d.payload_bytes != len(payload)
-            or d.payload_bytes != wire.payload_size(dtype, d.token_count, width)):
-        return None
-    hidden = wire.decode(payload, dtype, d.token_count, width)
-    final = shape.include_output
-    out: list[BatchEntry] = []
-    offset = 0
-    for i, e in enumerate(entries):
-        n = len(e.positions)
-        n_tokens = len(e.token_ids)
-        if (not n or (n_tokens and n_tokens != n) or e.rewind or e.verify or e.all_rows or e.want_logits
-                or e.prefix_id or e.fork_of or e.HasField("top_logprobs") or e.HasField("prompt_logprobs")
-                or e.HasField("next_token")):
-            return None
-        sample_last = e.sample_last
-        sampling = None
-        if sample_last:
-            try:
-                sampling = check_sampling(_sampling_of(e.sampling) if e.HasField("sampling") else None,
-                                          f"entries[{i}].sampling")
-            except InvalidRequestError:
-                return None
-        sampled = sample_last and final
-        # Positional, in BatchEntry's field order (as steps.runtime_entries builds them).
-        out.append(BatchEntry(
-            e.session_id, tuple(e.positions),
-            np.array(tuple(e.token_ids), dtype=np.int64) if n_tokens else None, hidden[offset : offset + n],
-            False, sampled, sampling, None, False, False, False, None, None, None, None,
-            e.draws_before if sampled else 0,
-        ))
-        offset += n
-    if offset != d.token_count:
-        return None
-    return PlainFrame(out, req.request_id, req.return_key, msg.hop_id, msg.timeout_s, msg.sent_unix_ns, dtype,
-                      len(payload), msg)
-
-
-def forward_plain(frame: PlainFrame, payload: bytes, shape: StageShape, return_key: str,
-                  timeout_s: float) -> pb.HopRequest:
-    """The frame ``shape``'s stage sends on: the message it came in, with this stage's rows and
-    descriptor, ``return_key`` and ``timeout_s`` (what ``frame_to_pb(forward_step(...))`` gives,
-    without building the step). Written in place: the message is this frame's alone."""
-    msg: pb.HopRequest = frame.wire  # type: ignore[assignment]
-    req = msg.request
-    d = req.frame.descriptor
-    d.dtype, d.producer_stage_index = DTYPE_TO_PB[shape.wire_dtype], shape.stage_index
-    d.layer_start, d.layer_end, d.payload_bytes, d.flags = shape.layer_start, shape.layer_end, len(payload), 0
-    req.frame.payload = payload
-    req.return_key = return_key
-    msg.hop_id, msg.timeout_s = 0, timeout_s
     return msg
 
 

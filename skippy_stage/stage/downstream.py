@@ -11,7 +11,6 @@ the one below us, or a deeper one that it named in its own error (trailing metad
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, hops
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.status import status_for
-from skippy_stage.stage.steps import Frame, Outputs, PlainFrame, Reply, StageShape
+from skippy_stage.stage.steps import Frame, Outputs, Reply
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -131,14 +130,6 @@ class DownstreamClient:
     def send(self, frame: Frame) -> None:
         """Hand one frame to the hop; DownstreamError when the link cannot be had."""
         self.hop.send(hops.stamp(frame))
-
-    def send_plain(self, frame: PlainFrame, payload: bytes, shape: StageShape, return_key: str,
-                   timeout_s: float) -> None:
-        """Send a plain frame on with this stage's rows (``payload``, in ``shape.wire_dtype``): the
-        message it came in, rewritten (``codec.forward_plain``); DownstreamError as ``send``."""
-        msg = codec.forward_plain(frame, payload, shape, return_key, timeout_s)
-        msg.sent_unix_ns = time.time_ns()
-        self.hop.send_message(msg)
 
     def frame_port(self, timeout_s: float) -> int:
         """The downstream's TCP frame listener, as it advertises it (asked on every new link)."""
@@ -268,12 +259,6 @@ class LocalDownstream:
 
     def send(self, frame: Frame) -> None:
         self.hop.send(hops.stamp(frame))
-
-    def send_plain(self, frame: PlainFrame, payload: bytes, shape: StageShape, return_key: str,
-                   timeout_s: float) -> None:
-        msg = codec.forward_plain(frame, payload, shape, return_key, timeout_s)
-        msg.sent_unix_ns = time.time_ns()
-        self.hop.send_message(msg)
 
     def reply_error(self, reply: Reply) -> DownstreamError:
         return reply_error(self.peer, reply)

@@ -105,14 +105,10 @@ class TcpHop:
             return link
 
     def send(self, frame: Frame) -> None:
-        self.send_message(codec.frame_to_pb(frame))
-
-    def send_message(self, msg: pb.HopRequest) -> None:
-        """A frame already in its wire form (a plain frame forwarded as it came)."""
         link = self._connect()
         try:
             tracing.mark("s0")
-            link.send(framing.Kind.HOP_REQUEST, msg)
+            link.send(framing.Kind.HOP_REQUEST, codec.frame_to_pb(frame))
             tracing.mark("s1")
         except framing.LinkClosed as exc:
             self._broke(link, str(exc))
@@ -192,10 +188,7 @@ class StreamHop:
             return self._outbox
 
     def send(self, frame: Frame) -> None:
-        self.send_message(codec.frame_to_pb(frame))
-
-    def send_message(self, msg: pb.HopRequest) -> None:
-        self._open().put(msg)
+        self._open().put(codec.frame_to_pb(frame))
 
     def _read(self, call, outbox: queue.SimpleQueue) -> None:
         try:
@@ -234,17 +227,6 @@ class LocalHop:
         if self.target.runtime is None:
             raise DownstreamError(f"stage {self.peer.stage_id} is not loaded", stage_id=self.peer.stage_id)
         self.target.accept_frame(frame, self._on_reply)
-
-    def send_message(self, msg: pb.HopRequest) -> None:
-        """A frame in its wire form (a plain frame sent on): run as the frame listener runs it."""
-        target = self.target
-        if target.runtime is None:
-            raise DownstreamError(f"stage {self.peer.stage_id} is not loaded", stage_id=self.peer.stage_id)
-        plain = codec.plain_frame(msg, target.shape) if target.takes_plain_frames else None
-        if plain is not None:
-            target.accept_plain(plain, self._on_reply)
-        else:
-            target.accept_frame(codec.frame_from_pb(msg), self._on_reply)
 
     def close(self) -> None:
         self.target.inbound.discard(self._on_reply)

@@ -148,7 +148,6 @@ class FrameListener:
         try:
             while True:
                 frames = []
-                plain = None
                 # Whatever has arrived by the time this thread is free runs as one decode.
                 while not frames or (len(frames) < MAX_COALESCED and link.readable()):
                     try:
@@ -161,24 +160,15 @@ class FrameListener:
                             stage.accept_frames(frames, sink)
                         raise
                     try:
-                        msg = framing.parse(kind, body, framing.Kind.HOP_REQUEST)
+                        frames.append(codec.frame_from_pb(framing.parse(kind, body, framing.Kind.HOP_REQUEST)))
                     except InvalidRequestError as exc:
                         stage.metrics.requests(rpc="Frame", code="INVALID_ARGUMENT").inc()
                         sink(error_reply(exc, return_key="bad-frame", session_ids=[], stage_id=stage.config.stage_id))
                         if not frames:
                             continue
                         break
-                    # A frame alone (nothing else waiting to join its decode) goes the plain way if it can.
-                    if not frames and not link.readable() and stage.takes_plain_frames:
-                        plain = codec.plain_frame(msg, stage.shape)
-                        if plain is not None:
-                            break
-                    frames.append(codec.frame_from_pb(msg))
                 tracing.mark("parsed")
-                if plain is not None:
-                    stage.accept_plain(plain, sink)
-                else:
-                    stage.accept_frames(frames, sink)
+                stage.accept_frames(frames, sink)
                 tracing.mark("done")
         finally:
             stage.inbound.discard(sink)

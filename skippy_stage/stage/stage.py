@@ -52,11 +52,9 @@ from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import (
     Frame,
     Outputs,
-    PlainFrame,
     Reply,
     StageShape,
     Step,
-    encode_rows,
     forward_step,
     outputs_from_results,
     runtime_entries,
@@ -476,69 +474,11 @@ class Stage:
     def _refuse(self, frame: Frame, exc: SkippyError, sink: Sink) -> None:
         """A frame failed here or could not go on: free its sessions, say so up its edge."""
         step = frame.step
-        self._refuse_sessions(step.session_ids, step.request_id, step.return_key, frame.hop_id, exc, sink)
-
-    def _refuse_sessions(self, session_ids: list[str], request_id: str, return_key: str, hop_id: int,
-                         exc: SkippyError, sink: Sink) -> None:
-        sessions = session_ids[:1024]
-        self._failed(exc, sessions, request_id)
+        sessions = step.session_ids[:1024]
+        self._failed(exc, sessions, step.request_id)
         self.metrics.requests(rpc="Frame", code=status_for(exc)[0].name).inc()
-        sink(error_reply(exc, return_key=return_key[:64], session_ids=sessions, hop_id=hop_id,
+        sink(error_reply(exc, return_key=step.return_key[:64], session_ids=sessions, hop_id=frame.hop_id,
                          stage_id=self.config.stage_id))
-
-    @property
-    def takes_plain_frames(self) -> bool:
-        """Whether a plain frame can run here (``accept_plain``): below the head, with a
-        downstream that sends frames in their wire form, or none (the final stage)."""
-        downstream = self.downstream
-        return (self.shape is not None and not self.config.include_embeddings
-                and (downstream is None or hasattr(downstream, "send_plain")))
-
-    def accept_plain(self, frame: PlainFrame, sink: Sink) -> None:
-        """A plain frame from the upstream edge whose back channel is ``sink``; never raises.
-
-        The general path's guarantees on a shorter way: the runtime's own checks, a failure
-        frees the frame's sessions here and goes up ``sink``, the edge gate, the metrics.
-        """
-        tally = Tally()
-        try:
-            with self.gate.passing():
-                if frame.sent_unix_ns:
-                    tally.latencies.append(max(0.0, (time.time_ns() - frame.sent_unix_ns) / 1e9))
-                self._run_plain(frame, sink, tally)
-        finally:
-            self.metrics.record(tally)
-
-    def _run_plain(self, frame: PlainFrame, sink: Sink, tally: Tally) -> None:
-        downstream = self.downstream
-        key = ""
-        try:
-            runtime = self.require_runtime()
-            tally.received.append((frame.dtype, frame.payload_bytes))
-            started = time.perf_counter()
-            results = runtime.run_batch(frame.entries)
-            tally.computes.append((time.perf_counter() - started, len(frame.entries),
-                                   sum(len(e.positions) for e in frame.entries), []))
-            if downstream is None:
-                outputs = outputs_from_results(results, self.config.stage_id)
-                if self.return_path is not None and frame.return_key and self.return_path.send(frame.return_key,
-                                                                                             outputs):
-                    tally.returns.append("sent")
-                else:
-                    sink(Reply(hop_id=frame.hop_id, return_key=frame.return_key, outputs=outputs))
-                    tally.returns.append("relayed")
-            else:
-                payload = encode_rows(results, self.shape)
-                key = self.routes.claim(frame.return_key, sink, frame.hop_id)
-                downstream.send_plain(frame, payload, self.shape, key,
-                                      downstream.timeout_for(frame.timeout_s or None))
-                tally.sent.append((self.shape.wire_dtype, len(payload)))
-            tally.frames_ok += 1
-            tally.plain += 1
-        except SkippyError as exc:
-            if key:  # the frame never left: answer under the key it came with
-                self.routes.take(key)
-            self._refuse_sessions(frame.session_ids, frame.request_id, frame.return_key, frame.hop_id, exc, sink)
 
     def _failed(self, exc: SkippyError, sessions: list[str], request_id: str) -> None:
         """A batch failed here or below: free its sessions on this stage (and, if the edge

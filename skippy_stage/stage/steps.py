@@ -120,36 +120,6 @@ class Frame:
     sent_unix_ns: int = 0
 
 
-@dataclass(slots=True)
-class PlainFrame:
-    """A frame that asks this stage for its layers and nothing else, read straight into runtime
-    entries (``codec.plain_frame``): continuing or new sessions, no rewind, prefix, fork, verify,
-    logits or logprobs, a well-formed frame. Most frames of a generation are like this, and on
-    this path a stage builds no Step for them and forwards ``wire`` (the message as it came,
-    opaque here) with its own rows in place of the frame's.
-
-    Why: the general path's conversions (message -> step -> runtime entries; results -> step ->
-    message) cost ~25 us in a hot loop but ~110 us on the caches a decode has just emptied
-    (``scripts/frame_profile.py``), at every stage for every token. Whatever is not plain takes
-    the general path, which also gives every refusal its message: the runtime's own checks
-    (``run_batch``) run on both.
-    """
-
-    entries: list[BatchEntry]
-    request_id: str
-    return_key: str
-    hop_id: int
-    timeout_s: float
-    sent_unix_ns: int
-    dtype: str
-    payload_bytes: int
-    wire: object = field(repr=False, compare=False)
-
-    @property
-    def session_ids(self) -> list[str]:
-        return [e.session_id for e in self.entries]
-
-
 @dataclass(frozen=True)
 class Reply:
     """A message on an edge's back channel: relayed outputs (code "OK"), or an error naming
@@ -260,24 +230,18 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
 
 def forward_step(step: Step, results: Sequence[EntryResult], shape: StageShape) -> Step:
     """The step this stage sends downstream: the same entries, its own output frame."""
-    payload = encode_rows(results, shape)
+    rows = np.concatenate([r.hidden for r in results]) if len(results) > 1 else results[0].hidden
     desc = wire.make_descriptor(
         dtype=shape.wire_dtype, producer_stage_index=shape.stage_index, layer_start=shape.layer_start,
-        layer_end=shape.layer_end, token_count=sum(int(r.hidden.shape[0]) for r in results),
-        sequence_count=len(results), width=shape.n_embd,
+        layer_end=shape.layer_end, token_count=int(rows.shape[0]), sequence_count=len(results), width=shape.n_embd,
     )
-    return Step(request_id=step.request_id, entries=step.entries, frame=Activations(desc, payload),
-                return_key=step.return_key, wire_entries=step.wire_entries)
-
-
-def encode_rows(results: Sequence[EntryResult], shape: StageShape) -> bytes:
-    """This stage's hidden rows for the next one, in entry order, in ``shape.wire_dtype``."""
-    rows = np.concatenate([r.hidden for r in results]) if len(results) > 1 else results[0].hidden
     try:
-        return wire.encode(rows, shape.wire_dtype)
+        payload = wire.encode(rows, shape.wire_dtype)
     except ValueError as exc:  # values the configured codec cannot carry (f16 range, int8 NaN)
         raise RuntimeFailure(f"stage {shape.stage_id}: wire_dtype={shape.wire_dtype} cannot encode this "
                              f"batch's hidden states: {exc}") from exc
+    return Step(request_id=step.request_id, entries=step.entries, frame=Activations(desc, payload),
+                return_key=step.return_key, wire_entries=step.wire_entries)
 
 
 def outputs_from_results(results: Sequence[EntryResult], stage_id: str) -> Outputs:
