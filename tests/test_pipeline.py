@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -51,6 +52,44 @@ def test_generate_prints_exactly_what_the_unsplit_model_completes(ranges, transp
         for prompt, expected in zip(PROMPTS, smollm2_texts):
             assert cli_generate(pipeline.head_endpoint, prompt, MAX_TOKENS) == expected
         assert_no_active_sessions(pipeline.configs)
+    finally:
+        pipeline.stop()
+
+
+def _threads_cores(pid: int) -> dict[int, set[int]]:
+    """Each thread of ``pid`` and the cores it may run on."""
+    cores = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        allowed = next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+        cores[int(task.name)] = {c for part in allowed.split(",") for c in _span(part)}
+    return cores
+
+
+def _span(part: str) -> range:
+    first, _, last = part.partition("-")
+    return range(int(first), int(last or first) + 1)
+
+
+def test_stages_sharing_a_host_start_their_threads_on_different_cores(smollm2, smollm2_texts, start_pipeline,
+                                                                      monkeypatch):
+    """Stage i binds from the (i mod n)-th core on: its main thread and every thread it started
+    (gRPC's, the frame listener's, the one that decodes) run there, OpenMP's workers on the
+    others, so neighbours run their Python on different cores; the text stays the unsplit model's."""
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)])
+    try:
+        assert cli_generate(pipeline.head_endpoint, PROMPTS[0], MAX_TOKENS) == smollm2_texts[0]
+        cores = sorted(os.sched_getaffinity(0))
+        for i, proc in enumerate(pipeline.procs):
+            home = cores[i % len(cores)]
+            threads = _threads_cores(proc.pid)
+            assert threads[proc.pid] == {home}, f"stage {i}'s main thread may run on {threads[proc.pid]}, not core {home}"
+            elsewhere = [tid for tid, allowed in threads.items() if allowed != {home}]
+            # OpenMP's workers (n_threads - 1 of them), each bound to another core of its own
+            assert len(elsewhere) <= len(cores) - 1, f"stage {i}: threads off core {home}: {threads}"
+            assert all(len(threads[tid]) == 1 and home not in threads[tid] for tid in elsewhere), threads
     finally:
         pipeline.stop()
 

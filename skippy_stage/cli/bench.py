@@ -25,7 +25,7 @@ import structlog
 
 from skippy_stage.cli.client import generate
 from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, stage_environment
-from skippy_stage.config import StageConfig
+from skippy_stage.config import SHARED_HOST_PLACES_ENV, StageConfig
 from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
 from skippy_stage.server import wake_latency
@@ -558,6 +558,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
                                       "single_process": os.environ.get("GOMP_SPINCOUNT", "libgomp default")}
         report["openmp_proc_bind"] = {"stages": stage_environment().get("OMP_PROC_BIND", "libgomp default"),
                                       "single_process": os.environ.get("OMP_PROC_BIND", "libgomp default")}
+        # Whether each stage's binding starts at its own core (stage_index mod the cores).
+        report["openmp_places_by_stage"] = stage_environment().get(SHARED_HOST_PLACES_ENV) == "1"
         report["hidden_state_capture"] = _capture_kind()
         # The whole cost of splitting, per extra stage, as seen by a client.
         report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 2 * 1e3
@@ -790,6 +792,7 @@ def format_table(report: dict[str, object]) -> str:
     spin, bind = r["openmp_spincount"], r["openmp_proc_bind"]
     lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; threads "
                  f"bound: stages {bind['stages']}, single process {bind['single_process']}; "
+                 f"{'each stage from its own core' if r.get('openmp_places_by_stage') else 'every stage from the first core'}; "
                  f"hidden-state capture {r['hidden_state_capture']}")
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
     return "\n".join(lines)

@@ -59,12 +59,14 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from skippy_stage.cli.local import die_with_parent
-    from skippy_stage.config import load_config
+    from skippy_stage.config import load_config, stage_openmp_places
 
     die_with_parent()
+    config = load_config(args.config)
+    # Before the server's import loads llama.cpp, and with it libgomp, which reads its places then.
+    os.environ.update(stage_openmp_places(config.stage_index, os.environ, os.sched_getaffinity(0)))
     from skippy_stage.server.server import serve
 
-    config = load_config(args.config)
     if args.http_port is not None:
         config = config.replace(http_port=args.http_port)
     flags = speculative_flags(args)

@@ -30,6 +30,10 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     for key in ("single_process_ms_per_token", "per_hop_overhead_us", "ratios", "stage_cpu_ms_per_token",
                 "per_hop_overhead_us_histograms", "openmp_spincount", "openmp_proc_bind"):
         assert key in report
+    # Stages started beside each other bind from their own cores unless the environment placed them.
+    placed = {"OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"} & set(os.environ)
+    assert report["openmp_places_by_stage"] is not bool(placed)
+    assert ("each stage from its own core" in run.stdout) is not bool(placed)
     # Split cost = capture + compute inflation + hops, readable off the report.
     assert set(report["stage_compute_ms_per_token"]) == {"2", "3"}
     assert all(v > 0 for v in report["stage_compute_ms_per_token"].values())

@@ -54,6 +54,26 @@ def test_stages_started_here_bind_their_openmp_threads_unless_the_operator_place
     assert stage_environment()["OMP_PROC_BIND"] == "false"
 
 
+def test_co_located_stages_start_their_openmp_places_at_their_own_core():
+    """Stage i of a shared host binds from the (i mod n)-th of its n cores on: libgomp puts the
+    loading thread (and so every thread the stage starts) on the first place."""
+    from skippy_stage.config import SHARED_HOST_PLACES_ENV, shared_host_openmp, stage_openmp_places
+
+    marked = shared_host_openmp({})
+    assert marked[SHARED_HOST_PLACES_ENV] == "1"
+    assert stage_openmp_places(1, marked, {0, 1}) == {"OMP_PLACES": "{1},{0}"}
+    assert stage_openmp_places(2, marked, [7, 2, 5]) == {"OMP_PLACES": "{7},{2},{5}"}, "sorted cores, rotated"
+    assert stage_openmp_places(1, marked, [3, 9, 4]) == {"OMP_PLACES": "{4},{9},{3}"}
+    for index in (0, 2, 4):
+        assert stage_openmp_places(index, marked, {0, 1}) == {}, "no rotation: libgomp's own places"
+    assert stage_openmp_places(3, marked, {5}) == {}, "one core: nothing to rotate"
+    assert stage_openmp_places(1, {}, {0, 1}) == {}, "not started beside other stages: nothing"
+    for operator in ({"OMP_PLACES": "cores"}, {"GOMP_CPU_AFFINITY": "0-1"}):
+        assert stage_openmp_places(1, {**marked, **operator}, {0, 1}) == {}, "an operator's placement wins"
+    assert SHARED_HOST_PLACES_ENV not in shared_host_openmp({"OMP_PROC_BIND": "spread"}), \
+        "an operator who binds the threads places them too"
+
+
 def test_a_stage_alone_on_its_host_keeps_libgomps_own_spin_count():
     """Importing the package and its server sets nothing: a stage on a node of its own keeps its
     OpenMP worker awake between frames (libgomp's default), which an idle VM needs."""

@@ -34,7 +34,7 @@ from support.deploy import (
     validate_manifest,
 )
 
-from skippy_stage.config import SHARED_HOST_SPINCOUNT, load_config
+from skippy_stage.config import SHARED_HOST_SPINCOUNT, load_config, shared_host_openmp
 from skippy_stage.model.packaged import SMOLLM2_FILE
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.ops.deploy import health_probe
@@ -104,6 +104,8 @@ def test_compose_runs_a_chained_three_stage_pipeline() -> None:
     assert (DEPLOY / compose["services"]["stage-2"]["build"]["context"] / "Dockerfile").is_file()
     # all three stages share one host's cores
     assert {s["environment"]["GOMP_SPINCOUNT"] for s in compose["services"].values()} == {SHARED_HOST_SPINCOUNT}
+    assert all(s["environment"] == shared_host_openmp({}) for s in compose["services"].values()), \
+        "every stage shares the host's cores as a local pipeline's stages do"
 
 
 # --------------------------------------------------------------------------- Dockerfile
