@@ -70,7 +70,8 @@ SHARED_HOST_SPINCOUNT = "2000"
 # co-located stages only, an operator's OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY wins.
 SHARED_HOST_PROC_BIND = "true"
 # And each stage's binding starts at its own core: stage i's thread 0 on the (i mod n)-th of the n
-# cores it may use, its workers on the next ones. libgomp binds the thread that loads it (a stage's
+# cores it may use, its workers on the next ones (stages given fewer threads than cores start
+# that many cores apart instead, each on cores of its own while there are enough). libgomp binds the thread that loads it (a stage's
 # main thread) to the first place, and every thread started after it inherits that core: with the
 # same first place everywhere, every stage's Python (frame path, gRPC, the head's scheduler) ran
 # on one core, and a stage woken by a frame waited there for the sender's last Python while the
@@ -92,15 +93,21 @@ def shared_host_openmp(environ: dict[str, str]) -> dict[str, str]:
     return added
 
 
-def stage_openmp_places(stage_index: int, environ: Mapping[str, str], cpus: Iterable[int]) -> dict[str, str]:
-    """OMP_PLACES for a co-located stage (``environ`` marked by :func:`shared_host_openmp`):
-    one place per core it may use (``cpus``), starting at core ``stage_index`` mod their number.
-    Nothing where the launcher did not mark it, where the operator placed the threads, or where
-    the rotation is none (libgomp's default places are the same list unrotated)."""
+def stage_openmp_places(stage_index: int, n_threads: int, environ: Mapping[str, str],
+                        cpus: Iterable[int]) -> dict[str, str]:
+    """OMP_PLACES for a co-located stage (``environ`` marked by :func:`shared_host_openmp`): one
+    place per core it may use (``cpus``), the list rotated so that stages that each take every
+    core start one core apart, and stages that take ``n_threads`` of them start ``n_threads``
+    apart (side by side, each on cores of its own while there are enough). Nothing where the
+    launcher did not mark it, where the operator placed the threads, or where the rotation is
+    none (libgomp's default places are the same list unrotated)."""
     if environ.get(SHARED_HOST_PLACES_ENV) != "1" or {"OMP_PLACES", "GOMP_CPU_AFFINITY"} & set(environ):
         return {}
     cores = sorted(cpus)
-    k = stage_index % len(cores) if cores else 0
+    if not cores:
+        return {}
+    step = n_threads if n_threads < len(cores) else 1
+    k = stage_index * step % len(cores)
     if k == 0:
         return {}
     return {"OMP_PLACES": ",".join(f"{{{c}}}" for c in cores[k:] + cores[:k])}

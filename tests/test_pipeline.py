@@ -71,24 +71,28 @@ def _span(part: str) -> range:
     return range(int(first), int(last or first) + 1)
 
 
-def test_stages_sharing_a_host_start_their_threads_on_different_cores(smollm2, smollm2_texts, start_pipeline,
-                                                                      monkeypatch):
+@pytest.mark.parametrize("every_core", [False, True], ids=["cores-shared-out", "every-core-each"])
+def test_stages_sharing_a_host_start_their_threads_on_different_cores(every_core, smollm2, smollm2_texts,
+                                                                      start_pipeline, monkeypatch):
     """Stage i binds from the (i mod n)-th core on: its main thread and every thread it started
     (gRPC's, the frame listener's, the one that decodes) run there, OpenMP's workers on the
     others, so neighbours run their Python on different cores; the text stays the unsplit model's."""
     for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
         monkeypatch.delenv(name, raising=False)
-    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)])
+    extra = {"n_threads": len(os.sched_getaffinity(0))} if every_core else {}  # as `up` gives them
+    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)], **extra)
     try:
         assert cli_generate(pipeline.head_endpoint, PROMPTS[0], MAX_TOKENS) == smollm2_texts[0]
         cores = sorted(os.sched_getaffinity(0))
-        for i, proc in enumerate(pipeline.procs):
-            home = cores[i % len(cores)]
+        for i, (cfg, proc) in enumerate(zip(pipeline.configs, pipeline.procs)):
+            n_threads = int(cfg["n_threads"])
+            # one core apart when each takes every core, n_threads apart (side by side) otherwise
+            home = cores[i * (n_threads if n_threads < len(cores) else 1) % len(cores)]
             threads = _threads_cores(proc.pid)
             assert threads[proc.pid] == {home}, f"stage {i}'s main thread may run on {threads[proc.pid]}, not core {home}"
             elsewhere = [tid for tid, allowed in threads.items() if allowed != {home}]
             # OpenMP's workers (n_threads - 1 of them), each bound to another core of its own
-            assert len(elsewhere) <= len(cores) - 1, f"stage {i}: threads off core {home}: {threads}"
+            assert len(elsewhere) <= n_threads - 1, f"stage {i}: threads off core {home}: {threads}"
             assert all(len(threads[tid]) == 1 and home not in threads[tid] for tid in elsewhere), threads
     finally:
         pipeline.stop()

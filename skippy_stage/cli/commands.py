@@ -64,7 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     die_with_parent()
     config = load_config(args.config)
     # Before the server's import loads llama.cpp, and with it libgomp, which reads its places then.
-    os.environ.update(stage_openmp_places(config.stage_index, os.environ, os.sched_getaffinity(0)))
+    os.environ.update(stage_openmp_places(config.stage_index, max(config.n_threads, config.n_threads_batch or 0),
+                                          os.environ, os.sched_getaffinity(0)))
     from skippy_stage.server.server import serve
 
     if args.http_port is not None:

@@ -55,21 +55,27 @@ def test_stages_started_here_bind_their_openmp_threads_unless_the_operator_place
 
 
 def test_co_located_stages_start_their_openmp_places_at_their_own_core():
-    """Stage i of a shared host binds from the (i mod n)-th of its n cores on: libgomp puts the
-    loading thread (and so every thread the stage starts) on the first place."""
+    """Stage i of a shared host binds from its own core on: libgomp puts the loading thread (and
+    so every thread the stage starts) on the first place. Stages that take every core start one
+    core apart; stages given fewer threads than cores start that many apart, side by side."""
     from skippy_stage.config import SHARED_HOST_PLACES_ENV, shared_host_openmp, stage_openmp_places
 
     marked = shared_host_openmp({})
     assert marked[SHARED_HOST_PLACES_ENV] == "1"
-    assert stage_openmp_places(1, marked, {0, 1}) == {"OMP_PLACES": "{1},{0}"}
-    assert stage_openmp_places(2, marked, [7, 2, 5]) == {"OMP_PLACES": "{7},{2},{5}"}, "sorted cores, rotated"
-    assert stage_openmp_places(1, marked, [3, 9, 4]) == {"OMP_PLACES": "{4},{9},{3}"}
+    assert stage_openmp_places(1, 2, marked, {0, 1}) == {"OMP_PLACES": "{1},{0}"}
+    assert stage_openmp_places(1, 1, marked, {0, 1}) == {"OMP_PLACES": "{1},{0}"}
+    assert stage_openmp_places(2, 3, marked, [7, 2, 5]) == {"OMP_PLACES": "{7},{2},{5}"}, "sorted cores, rotated"
+    assert stage_openmp_places(1, 8, marked, [3, 9, 4]) == {"OMP_PLACES": "{4},{9},{3}"}
+    assert stage_openmp_places(1, 2, marked, range(4)) == {"OMP_PLACES": "{2},{3},{0},{1}"}, "side by side"
+    assert stage_openmp_places(3, 1, marked, range(4)) == {"OMP_PLACES": "{3},{0},{1},{2}"}
+    assert stage_openmp_places(1, 4, marked, range(4)) == {"OMP_PLACES": "{1},{2},{3},{0}"}, "all cores: one apart"
     for index in (0, 2, 4):
-        assert stage_openmp_places(index, marked, {0, 1}) == {}, "no rotation: libgomp's own places"
-    assert stage_openmp_places(3, marked, {5}) == {}, "one core: nothing to rotate"
-    assert stage_openmp_places(1, {}, {0, 1}) == {}, "not started beside other stages: nothing"
+        assert stage_openmp_places(index, 2, marked, {0, 1}) == {}, "no rotation: libgomp's own places"
+    assert stage_openmp_places(2, 2, marked, range(4)) == {}, "round the cores: back at the first"
+    assert stage_openmp_places(3, 1, marked, {5}) == {}, "one core: nothing to rotate"
+    assert stage_openmp_places(1, 2, {}, {0, 1}) == {}, "not started beside other stages: nothing"
     for operator in ({"OMP_PLACES": "cores"}, {"GOMP_CPU_AFFINITY": "0-1"}):
-        assert stage_openmp_places(1, {**marked, **operator}, {0, 1}) == {}, "an operator's placement wins"
+        assert stage_openmp_places(1, 2, {**marked, **operator}, {0, 1}) == {}, "an operator's placement wins"
     assert SHARED_HOST_PLACES_ENV not in shared_host_openmp({"OMP_PROC_BIND": "spread"}), \
         "an operator who binds the threads places them too"
 
