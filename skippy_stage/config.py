@@ -61,10 +61,10 @@ _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]
 # of 1.9 after 10 ms between frames on a 2-vCPU VM. Set in the stages' environment (libgomp reads
 # it when it loads); an operator's value wins.
 SHARED_HOST_SPINCOUNT = "2000"
-# And their OpenMP threads bound one to a core (thread i on the i-th core the process may use).
-# Every stage's frame thread, OpenMP's thread 0, then runs its Python on the same core as the
-# stage before it did, and no worker migrates onto it. Measured with SmolLM2 on a 2-vCPU Xeon
-# (bench's single-stream decode phase, five interleaved pairs of runs): 3 stages 0.78-0.83x the
+# And their OpenMP threads bound one to a core (thread i on the i-th place): no worker migrates
+# onto the core where a stage's frame thread, OpenMP's thread 0, runs its Python. Measured with
+# SmolLM2 on a 2-vCPU Xeon before the rotation below (bench's single-stream decode phase, five
+# interleaved pairs of runs): 3 stages 0.78-0.83x the
 # unsplit model bound against 0.71-0.80x unbound, better in every pair; 2 stages 0.85x either
 # way (mean of five); the unsplit model alone decodes as fast bound or not. Same rules as above:
 # co-located stages only, an operator's OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY wins.
