@@ -60,7 +60,10 @@ def _threads_cores(pid: int) -> dict[int, set[int]]:
     """Each thread of ``pid`` and the cores it may run on."""
     cores = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        status = (task / "status").read_text()
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
         allowed = next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
         cores[int(task.name)] = {c for part in allowed.split(",") for c in _span(part)}
     return cores
