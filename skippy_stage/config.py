@@ -65,20 +65,22 @@ SHARED_HOST_SPINCOUNT = "2000"
 # onto the core where a stage's frame thread, OpenMP's thread 0, runs its Python. Measured with
 # SmolLM2 on a 2-vCPU Xeon before the rotation below (bench's single-stream decode phase, five
 # interleaved pairs of runs): 3 stages 0.78-0.83x the unsplit model bound against 0.71-0.80x
-# unbound, better in every pair; 2 stages 0.85x either way (mean of five); the unsplit model alone decodes as fast bound or not. Same rules as above:
-# co-located stages only, an operator's OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY wins.
+# unbound, better in every pair; 2 stages 0.85x either way (mean of five); the unsplit model alone
+# decodes as fast bound or not. Same rules as above: co-located stages only, an operator's
+# OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY wins.
 SHARED_HOST_PROC_BIND = "true"
 # And each stage's binding starts at its own core: stage i's thread 0 on the (i mod n)-th of the n
-# cores it may use, its workers on the next ones (stages given fewer threads than cores start
-# that many cores apart instead, each on cores of its own while there are enough). libgomp binds
-# the thread that loads it (a stage's main thread) to the first place, and every thread started
-# after it inherits that core: with the same first place everywhere, every stage's Python (frame
-# path, gRPC, the head's scheduler) ran on one core, and a stage woken by a frame waited there
-# for the sender's last Python while the other core idled. Rotated, neighbours run their Python on different cores. Measured with
-# SmolLM2 on a 2-vCPU Xeon (single-stream decode, interleaved A/B rounds, rotated vs not): 2 stages
-# 1.036x (7 rounds, 6 faster), 3 stages 1.012x (three stages on two cores: one leg of the ring
-# must share a core). The launcher marks the environment; the stage, which knows its index and
-# its cores, writes OMP_PLACES before llama.cpp loads libgomp. An operator's placement wins.
+# cores it may use, its workers on the next ones (stages given fewer threads than cores start that
+# many cores apart instead, each on cores of its own while there are enough). libgomp binds the
+# thread that loads it (a stage's main thread) to the first place, and every thread started after
+# it inherits that core: with the same first place everywhere, every stage's Python (frame path,
+# gRPC, the head's scheduler) ran on one core, and a stage woken by a frame waited there for the
+# sender's last Python while the other core idled. Rotated, neighbours run their Python on
+# different cores. Measured with SmolLM2 on a 2-vCPU Xeon (single-stream decode, interleaved A/B
+# rounds, rotated vs not): 2 stages 1.036x (7 rounds, 6 faster), 3 stages 1.012x (three stages on
+# two cores: one leg of the ring must share a core). The launcher marks the environment; the
+# stage, which knows its index and its cores, writes OMP_PLACES before llama.cpp loads libgomp. An
+# operator's placement wins.
 SHARED_HOST_PLACES_ENV = "SKIPPY_OMP_PLACES_BY_STAGE"
 _OPERATOR_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 
