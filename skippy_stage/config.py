@@ -281,6 +281,9 @@ class StageConfig:
     # length-prefixed connection to the neighbour's frame listener (the default: bench measures
     # it far below the gRPC stream's floor), or "stream", the gRPC ActivationStream.
     hop_transport: str = "tcp"
+    # Final stage: run plain decode frames (greedy, one position per session, f32 rows, a plain TCP
+    # return link) in compiled code rather than Python; every other frame runs the Python path.
+    native_frames: bool = True
     # The TCP frame listener's port on bind_addr's host (hop_transport "tcp"); unset: any free
     # port, which the stage advertises in GetStatus (fix it where a firewall or Service must know).
     frame_port: int | None = None
@@ -643,7 +646,7 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.cache_idle_slots is not None and cfg.cache_idle_slots > cfg.lane_count:
         raise _fail(cfg, "cache_idle_slots", cfg.cache_idle_slots, f"must be <= lane_count={cfg.lane_count}")
     for name in ("mlock", "direct_io", "repack", "check_tensors", "no_host_buffer", "kv_offload", "kv_unified",
-                 "swa_full"):
+                 "swa_full", "native_frames"):
         _require_bool(cfg, name)
     for name in ("mmap", "op_offload"):
         _require_bool(cfg, name, optional=True)

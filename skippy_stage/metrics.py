@@ -74,7 +74,7 @@ class Tally:
     next stage's compute, so it is kept small too).
     """
 
-    __slots__ = ("latencies", "computes", "received", "sent", "frames_ok", "returns")
+    __slots__ = ("latencies", "computes", "received", "sent", "frames_ok", "returns", "native")
 
     def __init__(self) -> None:
         self.latencies: list[float] = []  # seconds, one per frame
@@ -83,6 +83,7 @@ class Tally:
         self.sent: list[tuple[str, int]] = []
         self.frames_ok = 0
         self.returns: list[str] = []  # a final stage's outputs by how they left
+        self.native = 0  # frames the native path ran
 
 
 class StageMetrics:
@@ -111,6 +112,8 @@ class StageMetrics:
         self._activation = lru_cache(self.activation_bytes.labels)
         self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",
                                         ["failed_stage"], registry=r)
+        self.native_frames = Counter("skippy_native_frames", "Frames the final stage ran in compiled code "
+                                     "(plain greedy decode frames; every other frame runs in Python)", registry=r)
         self.returns = lru_cache(Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
                                "(direct: straight from the final stage; relay: back up through the stages) or, at "
                                "the final stage, how they left (sent: straight to the head; relayed: up the edge)",
@@ -170,6 +173,8 @@ class StageMetrics:
             self.requests(rpc="Frame", code="OK").inc(tally.frames_ok)
         for path in tally.returns:
             self.returns(path=path).inc()
+        if tally.native:
+            self.native_frames.inc(tally.native)
         tally.__init__()
 
     def gauge_from(self, name: str, read: Callable[[], float]) -> None:

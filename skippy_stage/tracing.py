@@ -56,6 +56,12 @@ def mark(name: str) -> None:
         flush()
 
 
+def mark_at(name: str, t_ns: int) -> None:
+    """A mark taken elsewhere (the native frame path's clock readings: the same wall clock)."""
+    if _marks is not None and t_ns:
+        _marks.append((name, t_ns))
+
+
 def flush() -> None:
     if _marks is None:
         return

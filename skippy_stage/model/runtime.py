@@ -341,6 +341,26 @@ class StageRuntime:
         b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
 
+    def native_final_args(self) -> dict[str, object] | None:
+        """What the final stage's native frame path (``skippy_stage.stage.native_frames``) works
+        on: this runtime's context, batch buffers, locks and session state, shared rather than
+        copied (one owner). None where that path cannot run: not a final stage fed hidden rows,
+        several positions per row (M-RoPE), or layer taps on the graph."""
+        cfg = self.config
+        if not cfg.include_output or cfg.include_embeddings or self._pos_sections != 1 or self._tap is not None:
+            return None
+        fn = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+        return dict(
+            ctx=self._ctx, mem=self._mem, decode=fn(llama_cpp.llama_decode),
+            logits_ith=fn(llama_cpp.llama_get_logits_ith), seq_rm=fn(llama_cpp.llama_memory_seq_rm),
+            batch=ctypes.addressof(self._batch), pos=self._pos.ctypes.data, seq=self._seq.ctypes.data,
+            out=self._out.ctypes.data, embd=self._embd.ctypes.data, n_embd=self.n_embd, n_vocab=self.n_vocab,
+            n_batch=min(cfg.n_batch, cfg.n_ubatch), layer_start=cfg.layer_start,
+            cells_per_lane=self.lanes.cells_per_lane, kv_pool_tokens=self.lanes.kv_pool_tokens, owner=self,
+            compute_lock=self._compute, lanes_lock=self.lanes._lock, sessions=self.lanes._sessions,
+            resident=self.lanes._resident, histories=self._history, samplers=self._samplers,
+        )
+
     # -- validation (pure: no llama.cpp, no lane state) ------------------------------
 
     def _check(self, entries: Sequence[BatchEntry]) -> list[_Checked]:
@@ -540,10 +560,8 @@ class StageRuntime:
         tracing.mark("d0")
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         tracing.mark("d1")
-        if rc == 1:
-            raise CapacityError(f"llama.cpp found no KV slot for a batch of {offset} tokens")
         if rc != 0:
-            raise RuntimeFailure(f"llama_decode failed with code {rc} on a batch of {offset} tokens")
+            raise decode_error(rc, offset)
         if cfg.include_output:
             results = [self._verify_result(checked[i], spans[i][0]) if checked[i].entry.verify
                        else self._final_result(checked[i], spans[i][1] - 1) for i in range(len(checked))]
@@ -890,6 +908,16 @@ class StageRuntime:
             if getattr(self, "_model", None):
                 llama_cpp.llama_model_free(self._model)
                 self._model = None
+
+
+def decode_error(rc: int, n_tokens: int) -> CapacityError | RuntimeFailure:
+    """What a failed llama_decode (return code ``rc``) means for the batch: 1 is llama.cpp's "no KV
+    slot"; -1000 is the native frame path's "no logits for an output row"."""
+    if rc == 1:
+        return CapacityError(f"llama.cpp found no KV slot for a batch of {n_tokens} tokens")
+    if rc == -1000:
+        return RuntimeFailure(f"llama.cpp has no logits for an output row of a batch of {n_tokens} tokens")
+    return RuntimeFailure(f"llama_decode failed with code {rc} on a batch of {n_tokens} tokens")
 
 
 def _token_logprob(dist: np.ndarray, token: int, n: int) -> TokenLogprob:

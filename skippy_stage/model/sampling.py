@@ -141,6 +141,14 @@ _CHECKED: dict[int, SamplingParams] = {}
 _CHECKED_MAX = 512
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits or reads history (no bias, penalties, grammar):
+    the pick is the logits' first maximum, and a session's sampler keeps no state between picks."""
+    penalised = params.repeat_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+    return (params.greedy and not params.logit_bias and not params.grammar
+            and not (penalised and params.repeat_last_n > 0))
+
+
 def validated_once(params: SamplingParams) -> SamplingParams:
     """``params.validate()``, once per settings object."""
     if _CHECKED.get(id(params)) is not params:
@@ -197,7 +205,7 @@ class SamplerChain:
             # Plain greedy keeps no state, so its pick is the logits' first maximum: read in place
             # (~3 us) rather than through llama_sampler_sample, which copies all n_vocab logits
             # into a candidate array first (~120 us a token for a 49k vocabulary).
-            self._argmax = not (params.logit_bias or self._penalties is not None or self._grammar is not None)
+            self._argmax = plain_greedy(params)
             return
         if params.top_k > 0:
             add(llama_cpp.llama_sampler_init_top_k(params.top_k))

@@ -90,14 +90,14 @@ class FrameSocket:
     def __init__(self, sock: socket.socket, *, max_message_bytes: int) -> None:
         self.sock = sock
         self.max_message_bytes = max_message_bytes
-        self._send_lock = threading.Lock()
+        self.send_lock = threading.Lock()
         self._inbox = bytearray()  # read from the socket, not yet returned
 
     def send(self, kind: Kind, message) -> None:
         data = encode(kind, message)
         tracing.mark("enc")
         try:
-            with self._send_lock:
+            with self.send_lock:
                 self.sock.sendall(data)
         except OSError as exc:
             raise LinkClosed(f"send failed: {exc}") from exc

@@ -145,6 +145,7 @@ class FrameListener:
             except framing.LinkClosed:
                 pass  # the upstream is gone; it fails its own steps
         stage.inbound.add(sink)
+        native = stage.native_final
         try:
             while True:
                 frames = []
@@ -159,6 +160,12 @@ class FrameListener:
                         if frames:
                             stage.accept_frames(frames, sink)
                         raise
+                    # A frame alone on the link may take the compiled path (frames that came
+                    # together are coalesced in Python instead).
+                    if (native is not None and not frames and kind == framing.Kind.HOP_REQUEST
+                            and not link.readable() and native.run(body, sink)):
+                        tracing.mark("done")
+                        continue
                     try:
                         frames.append(codec.frame_from_pb(framing.parse(kind, body, framing.Kind.HOP_REQUEST)))
                     except InvalidRequestError as exc:

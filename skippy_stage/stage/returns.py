@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import ssl
 import threading
 import time
 
@@ -137,6 +138,18 @@ class TcpReturn:
             pass
         self._drop(link)
 
+    @property
+    def plain_link(self) -> framing.FrameSocket | None:
+        """The live link when it is a plain socket (no TLS): the native frame path writes to it
+        directly. None until the first send has connected it, and while it is down."""
+        link = self._link
+        return link if link is not None and not isinstance(link.sock, ssl.SSLSocket) else None
+
+    def broke(self, link: framing.FrameSocket, detail: str) -> None:
+        """A send on ``link`` failed: drop it (the next send reconnects); the caller relays."""
+        self.log.warning("direct return link to the head broke; relaying", error=detail)
+        self._drop(link)
+
     def _drop(self, link: framing.FrameSocket) -> None:
         with self._lock:
             if self._link is link:
@@ -153,8 +166,7 @@ class TcpReturn:
             tracing.mark("s1")
             return True
         except framing.LinkClosed as exc:
-            self.log.warning("direct return link to the head broke; relaying", error=str(exc))
-            self._drop(link)
+            self.broke(link, str(exc))
             return False
 
     def close(self) -> None:

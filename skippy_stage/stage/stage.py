@@ -44,6 +44,7 @@ from skippy_stage.metrics import StageMetrics, Tally
 from skippy_stage.model.runtime import KvPage, StageRuntime
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.security import Credentials
+from skippy_stage.stage import native_frames
 from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream, timeout_for
 from skippy_stage.stage.gate import EdgeGate
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
@@ -196,6 +197,8 @@ class Stage:
         self._pending_lock = threading.Lock()
         self._drop_retry = threading.Lock()
         self.return_path: TcpReturn | StreamReturn | LocalReturn | None = None
+        # The final stage's compiled path for plain frames (set once loaded; None: Python only).
+        self.native_final: native_frames.NativeFinal | None = None
         if config.return_to is not None:
             if config.hop_transport == "tcp":
                 self.return_path = TcpReturn(config.return_to, credentials=self.credentials,
@@ -274,6 +277,7 @@ class Stage:
             wire_dtype=self.config.wire_dtype,
         )
         self.runtime = runtime
+        self.native_final = native_frames.for_stage(self)
         m = self.metrics
         m.gauge_from("lanes_active", lambda: runtime.stats().active_sessions)
         m.gauge_from("lanes_idle", lambda: runtime.stats().idle_lanes)
@@ -281,6 +285,11 @@ class Stage:
         m.gauge_from("kv_cells_total", lambda: runtime.stats().kv_pool_tokens)
         m.gauge_from("resident_prefixes", lambda: len(runtime.stats().resident))
         self.transition(StageState.SERVING)
+
+    @property
+    def accepting_frames(self) -> bool:
+        """Whether a frame may run here now (serving, or draining work already admitted)."""
+        return self.runtime is not None and self._state in (StageState.SERVING, StageState.DRAINING)
 
     @property
     def ready(self) -> bool:
@@ -386,7 +395,7 @@ class Stage:
         try:
             entries = self._prepare(frame.step, tally)
         except SkippyError as exc:
-            self._refuse(frame, exc, sink)
+            self.refuse_frame(frame, exc, sink)
             return
         self._finish(frame, entries, sink, tally)
 
@@ -412,7 +421,7 @@ class Stage:
             try:
                 ready.append((frame, self._prepare(frame.step, tally)))
             except SkippyError as exc:
-                self._refuse(frame, exc, sink)
+                self.refuse_frame(frame, exc, sink)
         budget = self.config.n_batch
         groups: list[list[tuple[Frame, list]]] = []
         for item in ready:
@@ -451,7 +460,7 @@ class Stage:
         try:
             results = self._compute(entries, tally)
         except SkippyError as exc:
-            self._refuse(frame, exc, sink)
+            self.refuse_frame(frame, exc, sink)
             return
         self._send_on(frame, results, sink, tally)
 
@@ -469,9 +478,9 @@ class Stage:
             if step.return_key != incoming:  # the frame never left: answer under the key it came with
                 self.routes.take(step.return_key)
                 step.return_key = incoming
-            self._refuse(frame, exc, sink)
+            self.refuse_frame(frame, exc, sink)
 
-    def _refuse(self, frame: Frame, exc: SkippyError, sink: Sink) -> None:
+    def refuse_frame(self, frame: Frame, exc: SkippyError, sink: Sink) -> None:
         """A frame failed here or could not go on: free its sessions, say so up its edge."""
         step = frame.step
         sessions = step.session_ids[:1024]

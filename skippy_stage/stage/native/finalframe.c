@@ -1,0 +1,812 @@
+/* The final stage's frame path without the interpreter: a plain decode frame's bytes in, its
+ * sampled tokens on the head's return link out.
+ *
+ * Why: on co-located stages every Python bytecode a frame runs after a llama_decode runs on caches
+ * that decode just evicted (3-10x its hot cost, measured); the final stage's frame path took
+ * ~300 us a token there in Python (parse, checks, batch, sample, encode, send). Here it is one call.
+ *
+ * It handles only what it can prove plain, and *declines* (returns None, touching nothing) the
+ * rest, which the Python path then runs as before, errors and all: one frame alone on its link,
+ * f32 hidden rows, one position per entry of a session already bound here, greedy sampling with
+ * nothing that reads history (the head sends plain greedy settings by default), no logits, no
+ * relay, a plain TCP return link. Anything odd in the bytes (a field it does not know, a value
+ * out of range, a string that is not ASCII) is a decline too: the Python path's checks then name
+ * the field, so refusals are written once.
+ *
+ * State is not copied: the lane table, the session histories and the samplers stay the Python
+ * objects the runtime owns, read and written here through the C API under the same locks in the
+ * same order (the runtime's compute lock, then the lane table's), so there is one owner and one
+ * truth. The GIL is released around llama_decode and the send, as ctypes would.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+typedef struct {
+    int32_t n_tokens;
+    int32_t *token;
+    float *embd;
+    int32_t *pos;
+    int32_t *n_seq_id;
+    int32_t **seq_id;
+    int8_t *logits;
+} batch_t; /* llama.h's llama_batch, by value */
+
+typedef int32_t (*decode_fn)(void *ctx, batch_t batch);
+typedef float *(*logits_ith_fn)(void *ctx, int32_t i);
+typedef _Bool (*seq_rm_fn)(void *mem, int32_t seq, int32_t p0, int32_t p1);
+
+#define MAX_ENTRIES 64
+#define MAX_ID 256       /* config.MAX_SESSION_ID_LEN */
+#define MAX_KEY 64       /* steps.MAX_RETURN_KEY_LEN */
+#define KIND_RETURNED 5  /* framing.Kind.RETURNED_BATCH */
+
+/* -- protobuf reading ------------------------------------------------------------------------ */
+
+typedef struct {
+    const uint8_t *p, *end;
+} rd_t;
+
+static int rd_varint(rd_t *r, uint64_t *v) {
+    uint64_t x = 0;
+    for (int shift = 0; shift < 64 && r->p < r->end; shift += 7) {
+        uint8_t b = *r->p++;
+        x |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *v = x;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int rd_key(rd_t *r, uint32_t *field, uint32_t *wt) {
+    uint64_t k;
+    if (!rd_varint(r, &k) || (k >> 3) == 0 || (k >> 3) > 0x1fffffff) return 0;
+    *field = (uint32_t)(k >> 3);
+    *wt = (uint32_t)(k & 7);
+    return 1;
+}
+
+static int rd_bytes(rd_t *r, const uint8_t **s, size_t *n) {
+    uint64_t len;
+    if (!rd_varint(r, &len) || len > (uint64_t)(r->end - r->p)) return 0;
+    *s = r->p;
+    *n = (size_t)len;
+    r->p += len;
+    return 1;
+}
+
+static int rd_skip_fixed(rd_t *r, size_t n) {
+    if ((size_t)(r->end - r->p) < n) return 0;
+    r->p += n;
+    return 1;
+}
+
+static int ascii(const uint8_t *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (s[i] & 0x80) return 0;
+    return 1;
+}
+
+/* One repeated int32 field holding exactly zero or one value so far: packed or not. */
+static int rd_one_int(rd_t *r, uint32_t wt, int64_t *value, int *count) {
+    uint64_t v;
+    if (wt == 0) {
+        if (!rd_varint(r, &v)) return 0;
+        *value = (int64_t)v;
+        *count += 1;
+        return 1;
+    }
+    if (wt != 2) return 0;
+    const uint8_t *s;
+    size_t n;
+    if (!rd_bytes(r, &s, &n)) return 0;
+    rd_t in = {s, s + n};
+    while (in.p < in.end) {
+        if (!rd_varint(&in, &v)) return 0;
+        *value = (int64_t)v;
+        *count += 1;
+    }
+    return 1;
+}
+
+typedef struct {
+    const uint8_t *sid;
+    size_t sid_len;
+    int64_t pos, token;
+    int n_pos, n_tok;
+    const uint8_t *sampling;
+    size_t sampling_len;
+    uint64_t draws;
+    int32_t lane, row;
+    int32_t sampled;
+    PyObject *sid_obj, *lane_obj;
+} entry_t;
+
+/* A BatchEntry the fast path can run, or 0. */
+static int parse_entry(const uint8_t *s, size_t n, entry_t *e) {
+    rd_t r = {s, s + n};
+    int seen_sid = 0, seen_sampling = 0, sample_last = 0;
+    memset(e, 0, sizeof *e);
+    while (r.p < r.end) {
+        uint32_t f, wt;
+        uint64_t v;
+        const uint8_t *b;
+        size_t len;
+        if (!rd_key(&r, &f, &wt)) return 0;
+        switch (f) {
+        case 1: /* session_id */
+            if (wt != 2 || seen_sid++ || !rd_bytes(&r, &e->sid, &e->sid_len)) return 0;
+            break;
+        case 2: /* phase: prefill or decode, the same computation */
+            if (wt != 0 || !rd_varint(&r, &v) || v > 2) return 0;
+            break;
+        case 3: /* positions */
+            if (!rd_one_int(&r, wt, &e->pos, &e->n_pos)) return 0;
+            break;
+        case 4: /* token_ids */
+            if (!rd_one_int(&r, wt, &e->token, &e->n_tok)) return 0;
+            break;
+        case 5: /* sample_last */
+            if (wt != 0 || !rd_varint(&r, &v) || v > 1) return 0;
+            sample_last = (int)v;
+            break;
+        case 6: case 9: case 10: case 11: /* want_logits, rewind, verify, all_rows: only false */
+            if (wt != 0 || !rd_varint(&r, &v) || v != 0) return 0;
+            break;
+        case 7: /* sampling */
+            if (wt != 2 || seen_sampling++ || !rd_bytes(&r, &e->sampling, &e->sampling_len)) return 0;
+            break;
+        case 8: case 13: /* prefix_id, fork_of: only empty */
+            if (wt != 2 || !rd_bytes(&r, &b, &len) || len != 0) return 0;
+            break;
+        case 16: /* draws_before */
+            if (wt != 0 || !rd_varint(&r, &e->draws)) return 0;
+            break;
+        default: /* top_logprobs, prompt_logprobs, next_token, unknown fields */
+            return 0;
+        }
+    }
+    if (!seen_sid || e->sid_len == 0 || e->sid_len > MAX_ID || !ascii(e->sid, e->sid_len)) return 0;
+    if (!sample_last || e->n_pos != 1 || e->n_tok > 1) return 0;
+    if (e->pos < 0 || e->pos >= INT32_MAX) return 0;
+    if (e->draws > (uint64_t)e->pos) return 0;
+    return 1;
+}
+
+typedef struct {
+    uint64_t hop_id, sent_ns;
+    const uint8_t *key;
+    size_t key_len;
+    const uint8_t *payload;
+    size_t payload_len;
+    int n;
+    entry_t entries[MAX_ENTRIES];
+} frame_t;
+
+typedef struct {
+    int64_t version, dtype, layout, layer_start, layer_end, width, token_count, sequence_count, payload_bytes;
+} desc_t;
+
+static int parse_descriptor(const uint8_t *s, size_t n, desc_t *d) {
+    rd_t r = {s, s + n};
+    memset(d, 0, sizeof *d);
+    while (r.p < r.end) {
+        uint32_t f, wt;
+        uint64_t v;
+        if (!rd_key(&r, &f, &wt) || wt != 0 || !rd_varint(&r, &v)) return 0;
+        if (f > 11) return 0;
+        int64_t x = (int64_t)v;
+        switch (f) {
+        case 1: d->version = x; break;
+        case 2: d->dtype = x; break;
+        case 3: d->layout = x; break;
+        case 5: d->layer_start = x; break;
+        case 6: d->layer_end = x; break;
+        case 7: d->token_count = x; break;
+        case 8: d->sequence_count = x; break;
+        case 9: d->payload_bytes = x; break;
+        case 11: d->width = x; break;
+        default: break; /* producer_stage_index, flags: not checked on either path */
+        }
+    }
+    return 1;
+}
+
+typedef struct {
+    PyObject_HEAD
+    void *ctx, *mem;
+    decode_fn decode;
+    logits_ith_fn logits_ith;
+    seq_rm_fn seq_rm;
+    batch_t batch;
+    int32_t *pos, *seq;
+    int8_t *out;
+    float *embd;
+    int n_embd, n_vocab, n_batch, layer_start;
+    long cells_per_lane, kv_pool_tokens;
+    PyObject *owner; /* the runtime: its _ctx is None once closed */
+    PyObject *compute_lock, *lanes_lock, *sessions, *resident, *histories, *samplers;
+    PyObject *plain_sampling; /* dict: SamplingParams bytes -> bool */
+    PyObject *classify;       /* callable(bytes) -> bool, for a settings message not seen yet */
+    PyObject *stage_id;       /* bytes */
+} FinalPath;
+
+static int parse_frame(FinalPath *self, const uint8_t *data, size_t size, frame_t *fr) {
+    rd_t r = {data, data + size};
+    const uint8_t *req = NULL, *frame = NULL;
+    size_t req_len = 0, frame_len = 0;
+    int seen_req = 0;
+    memset(fr, 0, offsetof(frame_t, entries));
+    while (r.p < r.end) {
+        uint32_t f, wt;
+        uint64_t v;
+        if (!rd_key(&r, &f, &wt)) return 0;
+        if (f == 1 && wt == 0) {
+            if (!rd_varint(&r, &fr->hop_id)) return 0;
+        } else if (f == 2 && wt == 2) {
+            if (seen_req++ || !rd_bytes(&r, &req, &req_len)) return 0;
+        } else if (f == 3 && wt == 1) {
+            if (!rd_skip_fixed(&r, 8)) return 0; /* timeout_s: the final stage sends nothing further */
+        } else if (f == 4 && wt == 0) {
+            if (!rd_varint(&r, &v) || v != 0) return 0; /* relay: the Python path relays */
+        } else if (f == 5 && wt == 0) {
+            if (!rd_varint(&r, &fr->sent_ns)) return 0;
+        } else {
+            return 0;
+        }
+    }
+    if (!seen_req) return 0;
+    rd_t q = {req, req + req_len};
+    int seen_frame = 0, seen_key = 0;
+    while (q.p < q.end) {
+        uint32_t f, wt;
+        const uint8_t *s;
+        size_t n;
+        if (!rd_key(&q, &f, &wt) || wt != 2 || !rd_bytes(&q, &s, &n)) return 0;
+        if (f == 1) {
+            if (!ascii(s, n)) return 0; /* request_id */
+        } else if (f == 2) {
+            if (fr->n >= MAX_ENTRIES || fr->n >= self->n_batch || !parse_entry(s, n, &fr->entries[fr->n])) return 0;
+            fr->n++;
+        } else if (f == 3) {
+            if (seen_frame++) return 0;
+            frame = s;
+            frame_len = n;
+        } else if (f == 4) {
+            if (seen_key++ || n == 0 || n > MAX_KEY || !ascii(s, n)) return 0;
+            fr->key = s;
+            fr->key_len = n;
+        } else {
+            return 0;
+        }
+    }
+    if (!seen_frame || !seen_key || fr->n == 0) return 0;
+    rd_t a = {frame, frame + frame_len};
+    desc_t d;
+    int seen_desc = 0, seen_payload = 0;
+    while (a.p < a.end) {
+        uint32_t f, wt;
+        const uint8_t *s;
+        size_t n;
+        if (!rd_key(&a, &f, &wt) || wt != 2 || !rd_bytes(&a, &s, &n)) return 0;
+        if (f == 1) {
+            if (seen_desc++ || !parse_descriptor(s, n, &d)) return 0;
+        } else if (f == 2) {
+            if (seen_payload++) return 0;
+            fr->payload = s;
+            fr->payload_len = n;
+        } else {
+            return 0;
+        }
+    }
+    size_t rows = (size_t)fr->n, want = rows * (size_t)self->n_embd * 4;
+    if (!seen_desc || d.version != 1 || d.dtype != 1 /* f32 */ || d.layout != 1 || d.layer_end != self->layer_start
+        || d.layer_start >= d.layer_end || d.width != self->n_embd || d.token_count != (int64_t)rows
+        || d.sequence_count != (int64_t)rows || d.payload_bytes != (int64_t)want || fr->payload_len != want)
+        return 0;
+    for (int i = 0; i < fr->n; i++)
+        for (int j = 0; j < i; j++)
+            if (fr->entries[i].sid_len == fr->entries[j].sid_len
+                && !memcmp(fr->entries[i].sid, fr->entries[j].sid, fr->entries[i].sid_len))
+                return 0;
+    return 1;
+}
+
+/* -- helpers on Python objects ----------------------------------------------------------------- */
+
+static long attr_long(PyObject *o, const char *name) {
+    PyObject *v = PyObject_GetAttrString(o, name);
+    if (v == NULL) return -1;
+    long x = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return x;
+}
+
+static int call_method(PyObject *o, const char *name) {
+    PyObject *r = PyObject_CallMethod(o, name, NULL);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int sampling_plain(FinalPath *self, const entry_t *e) {
+    PyObject *key = PyBytes_FromStringAndSize((const char *)e->sampling, (Py_ssize_t)e->sampling_len);
+    if (key == NULL) return -1;
+    PyObject *known = PyDict_GetItemWithError(self->plain_sampling, key);
+    int plain;
+    if (known != NULL) {
+        plain = known == Py_True;
+    } else if (PyErr_Occurred()) {
+        plain = -1;
+    } else {
+        PyObject *r = PyObject_CallOneArg(self->classify, key);
+        plain = r == NULL ? -1 : PyObject_IsTrue(r);
+        if (r != NULL && plain >= 0 && e->sampling_len <= 512 && PyDict_Size(self->plain_sampling) < 512)
+            if (PyDict_SetItem(self->plain_sampling, key, r) < 0) plain = -1;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(key);
+    return plain;
+}
+
+static double now_monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t now_unix_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* -- protobuf writing -------------------------------------------------------------------------- */
+
+static size_t varint_len(uint64_t v) {
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static uint8_t *put_varint(uint8_t *p, uint64_t v) {
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+static uint8_t *put_bytes(uint8_t *p, uint32_t field, const void *s, size_t n) {
+    p = put_varint(p, (uint64_t)field << 3 | 2);
+    p = put_varint(p, n);
+    memcpy(p, s, n);
+    return p + n;
+}
+
+/* ReturnedBatch{return_key, response: IterationBatchResponse{outputs: EntryOutput{session_id,
+ * has_token, token}..., final_stage_id}} after a 5-byte frame header; its total length. */
+static size_t encode_returned(FinalPath *self, const frame_t *fr, uint8_t **out) { /* *out: PyMem_Free it */
+    const char *stage = PyBytes_AS_STRING(self->stage_id);
+    size_t stage_len = (size_t)PyBytes_GET_SIZE(self->stage_id);
+    size_t outputs[MAX_ENTRIES];
+    size_t response = 1 + varint_len(stage_len) + stage_len;
+    for (int i = 0; i < fr->n; i++) {
+        const entry_t *e = &fr->entries[i];
+        outputs[i] = 1 + varint_len(e->sid_len) + e->sid_len + 2 + 1 + varint_len((uint64_t)(uint32_t)e->sampled);
+        response += 1 + varint_len(outputs[i]) + outputs[i];
+    }
+    size_t body = 1 + varint_len(fr->key_len) + fr->key_len + 1 + varint_len(response) + response;
+    uint8_t *start = PyMem_Malloc(5 + body), *p = start;
+    if (start == NULL) return 0;
+    uint32_t length = (uint32_t)(body + 1);
+    *p++ = (uint8_t)(length >> 24);
+    *p++ = (uint8_t)(length >> 16);
+    *p++ = (uint8_t)(length >> 8);
+    *p++ = (uint8_t)length;
+    *p++ = KIND_RETURNED;
+    p = put_bytes(p, 1, fr->key, fr->key_len);
+    *p++ = 2 << 3 | 2;
+    p = put_varint(p, response);
+    for (int i = 0; i < fr->n; i++) {
+        const entry_t *e = &fr->entries[i];
+        *p++ = 1 << 3 | 2;
+        p = put_varint(p, outputs[i]);
+        p = put_bytes(p, 1, e->sid, e->sid_len);
+        *p++ = 2 << 3;
+        *p++ = 1;
+        *p++ = 3 << 3;
+        p = put_varint(p, (uint64_t)(uint32_t)e->sampled);
+    }
+    p = put_bytes(p, 2, stage, stage_len);
+    *out = start;
+    return (size_t)(p - start);
+}
+
+/* -- the lanes, under the runtime's locks ------------------------------------------------------ */
+
+/* 1: every entry's session is bound here at its next position with room, the pool needs no
+ * eviction, its sampler (if any) is plain greedy; 0: decline; -1: a Python error. */
+static int check_lanes(FinalPath *self, frame_t *fr) {
+    Py_ssize_t i = 0;
+    PyObject *k, *v;
+    long used = 0, resident = 0;
+    while (PyDict_Next(self->sessions, &i, &k, &v)) {
+        long t = attr_long(v, "n_tokens");
+        if (t < 0) return PyErr_Occurred() ? -1 : 0;
+        used += t;
+    }
+    i = 0;
+    while (PyDict_Next(self->resident, &i, &k, &v)) {
+        long t = attr_long(v, "n_tokens");
+        if (t < 0) return PyErr_Occurred() ? -1 : 0;
+        resident += t;
+    }
+    if (used + fr->n + resident > self->kv_pool_tokens) return 0; /* full, or an eviction: Python's */
+    for (int j = 0; j < fr->n; j++) {
+        entry_t *e = &fr->entries[j];
+        PyObject *bound = PyDict_GetItemWithError(self->sessions, e->sid_obj);
+        if (bound == NULL) return PyErr_Occurred() ? -1 : 0;
+        long n_tokens = attr_long(bound, "n_tokens"), lane = attr_long(bound, "lane");
+        if ((n_tokens < 0 || lane < 0) && PyErr_Occurred()) return -1;
+        if (n_tokens != e->pos || n_tokens + 1 > self->cells_per_lane || lane < 0 || lane > INT32_MAX) return 0;
+        e->lane = (int32_t)lane;
+        Py_INCREF(bound);
+        e->lane_obj = bound;
+    }
+    return 1;
+}
+
+static int samplers_plain(FinalPath *self, frame_t *fr) {
+    for (int j = 0; j < fr->n; j++) {
+        PyObject *state = PyDict_GetItemWithError(self->samplers, fr->entries[j].sid_obj);
+        if (state == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        PyObject *chain = PyObject_GetAttrString(state, "chain");
+        if (chain == NULL) return -1;
+        PyObject *argmax = PyObject_GetAttrString(chain, "_argmax");
+        Py_DECREF(chain);
+        if (argmax == NULL) return -1;
+        int plain = argmax == Py_True;
+        Py_DECREF(argmax);
+        if (!plain) return 0;
+    }
+    return 1;
+}
+
+static int advance_lanes(FinalPath *self, frame_t *fr) {
+    PyObject *when = PyFloat_FromDouble(now_monotonic());
+    if (when == NULL) return -1;
+    int rc = 0;
+    for (int j = 0; j < fr->n && rc == 0; j++) {
+        PyObject *lane = fr->entries[j].lane_obj;
+        long n_tokens = attr_long(lane, "n_tokens"), batches = attr_long(lane, "batches");
+        PyObject *t = PyLong_FromLong(n_tokens + 1), *b = PyLong_FromLong(batches + 1);
+        if (t == NULL || b == NULL || PyObject_SetAttrString(lane, "n_tokens", t) < 0
+            || PyObject_SetAttrString(lane, "batches", b) < 0 || PyObject_SetAttrString(lane, "last_used", when) < 0)
+            rc = -1;
+        Py_XDECREF(t);
+        Py_XDECREF(b);
+    }
+    Py_DECREF(when);
+    return rc;
+}
+
+/* history[pos:] = [token_id] (the fed token, if it came along) + [sampled], as the runtime does. */
+static int extend_histories(FinalPath *self, frame_t *fr) {
+    for (int j = 0; j < fr->n; j++) {
+        entry_t *e = &fr->entries[j];
+        PyObject *history = PyDict_GetItemWithError(self->histories, e->sid_obj);
+        if (history == NULL) {
+            if (PyErr_Occurred()) return -1;
+            history = PyList_New(0);
+            if (history == NULL || PyDict_SetItem(self->histories, e->sid_obj, history) < 0) {
+                Py_XDECREF(history);
+                return -1;
+            }
+            Py_DECREF(history); /* the dict holds it */
+        }
+        if (!PyList_Check(history)) return -1;
+        if (e->n_tok) {
+            if (e->pos < PyList_GET_SIZE(history) && PyList_SetSlice(history, e->pos, PyList_GET_SIZE(history), NULL) < 0)
+                return -1;
+            PyObject *t = PyLong_FromLongLong(e->token);
+            if (t == NULL || PyList_Append(history, t) < 0) {
+                Py_XDECREF(t);
+                return -1;
+            }
+            Py_DECREF(t);
+        }
+        PyObject *s = PyLong_FromLong(e->sampled);
+        if (s == NULL || PyList_Append(history, s) < 0) {
+            Py_XDECREF(s);
+            return -1;
+        }
+        Py_DECREF(s);
+    }
+    return 0;
+}
+
+/* llama.cpp's greedy sampler, exactly: the first index whose logit no later one exceeds (NaN
+ * never exceeds, so a NaN row picks as llama_sampler_sample would). */
+static int32_t greedy(const float *logits, int n) {
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+static void release_entries(frame_t *fr) {
+    for (int j = 0; j < fr->n; j++) {
+        Py_CLEAR(fr->entries[j].sid_obj);
+        Py_CLEAR(fr->entries[j].lane_obj);
+    }
+}
+
+/* run(body, sock, send_lock) -> None (declined: nothing touched) or
+ * (status, detail, compute_s, latency_s, entries, payload_bytes, message, marks)
+ *   status 0: decoded and sent; 1: decoded, the send failed (``message`` holds the ReturnedBatch,
+ *   for the caller to relay); 2: llama_decode returned ``detail`` (the KV was cut back; nothing
+ *   advanced). latency_s < 0: the frame carried no send time. marks: wall-clock ns when the frame
+ *   was parsed, llama_decode started, the tokens were picked, the send returned (0: not reached). */
+static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
+    Py_buffer body;
+    PyObject *sock, *send_lock;
+    if (!PyArg_ParseTuple(args, "y*OO", &body, &sock, &send_lock)) return NULL;
+    frame_t *fr = PyMem_Malloc(sizeof(frame_t));
+    if (fr == NULL) {
+        PyBuffer_Release(&body);
+        return PyErr_NoMemory();
+    }
+    PyObject *result = NULL;
+    uint8_t *msg = NULL;
+    int locked = 0, lanes_locked = 0;
+    fr->n = 0;
+    if (!parse_frame(self, body.buf, (size_t)body.len, fr)) goto decline;
+    uint64_t arrived = now_unix_ns();
+    double latency = fr->sent_ns ? (arrived > fr->sent_ns ? (double)(arrived - fr->sent_ns) * 1e-9 : 0.0) : -1.0;
+    const float *rows = (const float *)fr->payload;
+    for (size_t k = 0, m = (size_t)fr->n * (size_t)self->n_embd; k < m; k++) {
+        float x;
+        memcpy(&x, rows + k, sizeof x);
+        if (!isfinite(x)) goto decline;
+    }
+    for (int j = 0; j < fr->n; j++) {
+        entry_t *e = &fr->entries[j];
+        if (e->n_tok && (e->token < 0 || e->token >= self->n_vocab)) goto decline;
+        int plain = sampling_plain(self, e);
+        if (plain < 0) goto fail;
+        if (!plain) goto decline;
+        e->sid_obj = PyUnicode_FromStringAndSize((const char *)e->sid, (Py_ssize_t)e->sid_len);
+        if (e->sid_obj == NULL) goto fail;
+    }
+    uint64_t marks[4] = {now_unix_ns(), 0, 0, 0}; /* parsed, d0, d1, sent: tracing's marks */
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (call_method(self->compute_lock, "acquire") < 0) goto fail;
+    locked = 1;
+    PyObject *live = PyObject_GetAttrString(self->owner, "_ctx");
+    if (live == NULL) goto fail;
+    int open = live != Py_None;
+    Py_DECREF(live);
+    if (!open) goto decline; /* closed meanwhile: the Python path says so */
+    int ok = samplers_plain(self, fr);
+    if (ok < 0) goto fail;
+    if (!ok) goto decline;
+    if (call_method(self->lanes_lock, "acquire") < 0) goto fail;
+    lanes_locked = 1;
+    ok = check_lanes(self, fr);
+    lanes_locked = 0;
+    if (call_method(self->lanes_lock, "release") < 0 || ok < 0) goto fail;
+    if (!ok) goto decline;
+
+    /* The batch in lane order, as the runtime orders it. */
+    int order[MAX_ENTRIES];
+    for (int j = 0; j < fr->n; j++) {
+        int k = j;
+        while (k > 0 && fr->entries[order[k - 1]].lane > fr->entries[j].lane) {
+            order[k] = order[k - 1];
+            k--;
+        }
+        order[k] = j;
+    }
+    for (int r = 0; r < fr->n; r++) {
+        entry_t *e = &fr->entries[order[r]];
+        e->row = r;
+        self->pos[r] = (int32_t)e->pos;
+        self->seq[r] = e->lane;
+        self->out[r] = 1;
+        memcpy(self->embd + (size_t)r * self->n_embd, rows + (size_t)order[r] * self->n_embd,
+               sizeof(float) * (size_t)self->n_embd);
+    }
+    batch_t batch = self->batch;
+    batch.n_tokens = fr->n;
+    int32_t rc;
+    Py_BEGIN_ALLOW_THREADS
+    marks[1] = now_unix_ns();
+    rc = self->decode(self->ctx, batch);
+    if (rc == 0)
+        for (int j = 0; j < fr->n; j++) {
+            float *logits = self->logits_ith(self->ctx, fr->entries[j].row);
+            if (logits == NULL) {
+                rc = -1000;
+                break;
+            }
+            fr->entries[j].sampled = greedy(logits, self->n_vocab);
+        }
+    marks[2] = now_unix_ns();
+    if (rc != 0)
+        for (int j = 0; j < fr->n; j++)
+            self->seq_rm(self->mem, fr->entries[j].lane, (int32_t)fr->entries[j].pos, -1);
+    Py_END_ALLOW_THREADS
+    if (rc == 0) {
+        if (extend_histories(self, fr) < 0) goto fail;
+        if (call_method(self->lanes_lock, "acquire") < 0) goto fail;
+        lanes_locked = 1;
+        int adv = advance_lanes(self, fr);
+        lanes_locked = 0;
+        if (call_method(self->lanes_lock, "release") < 0 || adv < 0) goto fail;
+    }
+    locked = 0;
+    if (call_method(self->compute_lock, "release") < 0) goto fail;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double compute = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    if (rc != 0) {
+        result = Py_BuildValue("(iiddnnO(KKKK))", 2, (int)rc, compute, latency, (Py_ssize_t)fr->n,
+                               (Py_ssize_t)fr->payload_len, Py_None, marks[0], marks[1], marks[2], marks[3]);
+        goto done;
+    }
+
+    size_t len = encode_returned(self, fr, &msg);
+    if (len == 0) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int status = 0;
+    if (call_method(send_lock, "acquire") < 0) goto fail;
+    int fd = PyObject_AsFileDescriptor(sock);
+    if (fd < 0) {
+        PyErr_Clear();
+        status = 1;
+    } else {
+        size_t sent = 0;
+        Py_BEGIN_ALLOW_THREADS
+        while (sent < len) {
+            ssize_t k = send(fd, msg + sent, len - sent, MSG_NOSIGNAL);
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) break;
+            sent += (size_t)k;
+        }
+        Py_END_ALLOW_THREADS
+        status = sent == len ? 0 : 1;
+    }
+    marks[3] = now_unix_ns();
+    if (call_method(send_lock, "release") < 0) goto fail;
+    PyObject *message = Py_None;
+    if (status == 0)
+        Py_INCREF(message);
+    else if ((message = PyBytes_FromStringAndSize((const char *)msg + 5, (Py_ssize_t)len - 5)) == NULL)
+        goto fail;
+    result = Py_BuildValue("(iiddnnN(KKKK))", status, 0, compute, latency, (Py_ssize_t)fr->n,
+                           (Py_ssize_t)fr->payload_len, message, marks[0], marks[1], marks[2], marks[3]);
+    goto done;
+
+decline:
+    result = Py_None;
+    Py_INCREF(result);
+fail:
+    if (lanes_locked) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (call_method(self->lanes_lock, "release") < 0) PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    if (locked) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (call_method(self->compute_lock, "release") < 0) PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+done:
+    PyMem_Free(msg);
+    release_entries(fr);
+    PyMem_Free(fr);
+    PyBuffer_Release(&body);
+    return result;
+}
+
+static int FinalPath_init(FinalPath *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"ctx", "mem", "decode", "logits_ith", "seq_rm", "batch", "pos", "seq", "out", "embd",
+                            "n_embd", "n_vocab", "n_batch", "layer_start", "cells_per_lane", "kv_pool_tokens",
+                            "owner", "compute_lock", "lanes_lock", "sessions", "resident", "histories", "samplers",
+                            "classify", "stage_id", NULL};
+    unsigned long long ctx, mem, decode, logits_ith, seq_rm, batch, pos, seq, out, embd;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKKKKKiiiillOOOO!O!O!O!OS", names, &ctx, &mem, &decode,
+                                     &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &self->n_embd,
+                                     &self->n_vocab, &self->n_batch, &self->layer_start, &self->cells_per_lane,
+                                     &self->kv_pool_tokens, &self->owner, &self->compute_lock, &self->lanes_lock, &PyDict_Type,
+                                     &self->sessions, &PyDict_Type, &self->resident, &PyDict_Type, &self->histories,
+                                     &PyDict_Type, &self->samplers, &self->classify, &self->stage_id))
+        return -1;
+    if (!ctx || !mem || !decode || !logits_ith || !seq_rm || !batch || !pos || !seq || !out || !embd
+        || self->n_embd <= 0 || self->n_vocab <= 0 || self->n_batch <= 0) {
+        PyErr_SetString(PyExc_ValueError, "FinalPath needs every pointer and positive sizes");
+        return -1;
+    }
+    self->ctx = (void *)(uintptr_t)ctx;
+    self->mem = (void *)(uintptr_t)mem;
+    self->decode = (decode_fn)(uintptr_t)decode;
+    self->logits_ith = (logits_ith_fn)(uintptr_t)logits_ith;
+    self->seq_rm = (seq_rm_fn)(uintptr_t)seq_rm;
+    memcpy(&self->batch, (void *)(uintptr_t)batch, sizeof(batch_t));
+    self->pos = (int32_t *)(uintptr_t)pos;
+    self->seq = (int32_t *)(uintptr_t)seq;
+    self->out = (int8_t *)(uintptr_t)out;
+    self->embd = (float *)(uintptr_t)embd;
+    PyObject *objs[] = {self->owner, self->compute_lock, self->lanes_lock, self->sessions, self->resident, self->histories,
+                        self->samplers, self->classify, self->stage_id};
+    for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) Py_INCREF(objs[i]);
+    self->plain_sampling = PyDict_New();
+    return self->plain_sampling == NULL ? -1 : 0;
+}
+
+static void FinalPath_dealloc(FinalPath *self) {
+    Py_XDECREF(self->owner);
+    Py_XDECREF(self->compute_lock);
+    Py_XDECREF(self->lanes_lock);
+    Py_XDECREF(self->sessions);
+    Py_XDECREF(self->resident);
+    Py_XDECREF(self->histories);
+    Py_XDECREF(self->samplers);
+    Py_XDECREF(self->classify);
+    Py_XDECREF(self->stage_id);
+    Py_XDECREF(self->plain_sampling);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef FinalPath_methods[] = {
+    {"run", (PyCFunction)FinalPath_run, METH_VARARGS,
+     "run(body, sock, send_lock): the frame decoded and its tokens sent, or None (declined)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FinalPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._finalframe.FinalPath",
+    .tp_basicsize = sizeof(FinalPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FinalPath_init,
+    .tp_dealloc = (destructor)FinalPath_dealloc,
+    .tp_methods = FinalPath_methods,
+    .tp_doc = "The final stage's plain frames, parsed, decoded, sampled and returned in C.",
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_finalframe", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__finalframe(void) {
+    if (PyType_Ready(&FinalPathType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&FinalPathType);
+    if (PyModule_AddObject(m, "FinalPath", (PyObject *)&FinalPathType) < 0) {
+        Py_DECREF(&FinalPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

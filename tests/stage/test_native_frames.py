@@ -1,0 +1,286 @@
+"""The final stage's compiled frame path (``stage/native_frames.py``, ``stage/native/finalframe.c``).
+
+It stands in for the Python frame path on plain greedy decode frames, so it must be
+indistinguishable from it: the same token for the same frame, the same session state after it
+(lane length, batch count, history), a ReturnedBatch on the return link that the head's codec
+reads as the Python path's. Every frame it cannot prove plain it must *decline* without touching
+anything, so the Python path runs it and gives its usual refusal, naming the field. Checked in
+one process against the real SmolLM2 split 0:15 / 15:30 (a socket pair standing for the head's
+return link), and on real ``serve`` processes.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from support.chain import Chain, split_configs
+from support.pipeline import assert_no_active_sessions, grpc_generate, metric, reference_texts, scrape, status
+
+from skippy_stage.cli.local import free_ports
+from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.sampling import SamplingParams
+from skippy_stage.security import Credentials
+from skippy_stage.stage import framing, native_frames
+from skippy_stage.stage.codec import sampling_to_pb
+from skippy_stage.v1 import stage_pb2 as pb
+
+PROMPT = "The capital of France is"
+N_EMBD = 576
+STAGE_ID = "stage-final"
+
+
+@pytest.fixture(scope="module")
+def chain(smollm2, slice_cache):
+    # Separate lanes (kv_unified off): two sessions fed the same rows then compute the same bits.
+    configs = split_configs(smollm2, [(0, 15), (15, 30)], slice_cache, n_batch=64, n_ubatch=64, ctx_size=1024,
+                            lane_count=4, kv_unified=False, n_threads=1)
+    built = Chain(configs)
+    yield built
+    built.close()
+
+
+class ReturnLink:
+    """The head's end of the return link: a socket pair, read back as ReturnedBatch messages."""
+
+    def __init__(self) -> None:
+        self.ours, self.theirs = socket.socketpair()
+        self.head = framing.FrameSocket(self.theirs, max_message_bytes=1 << 20)
+        self.lock = threading.Lock()
+
+    def read(self) -> pb.ReturnedBatch:
+        kind, body = self.head.receive()
+        return framing.parse(kind, body, framing.Kind.RETURNED_BATCH)
+
+    def pending(self) -> bool:
+        self.theirs.setblocking(False)
+        try:
+            return bool(self.theirs.recv(1 << 16, socket.MSG_PEEK))
+        except BlockingIOError:
+            return False
+        finally:
+            self.theirs.setblocking(True)
+
+    def close(self) -> None:
+        self.ours.close()
+        self.theirs.close()
+
+
+@pytest.fixture
+def link():
+    made = ReturnLink()
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def native(chain):
+    tail = chain.stages[1]
+    return native_frames._finalframe.FinalPath(**tail.native_final_args(), classify=native_frames._classify,
+                                               stage_id=STAGE_ID.encode())
+
+
+def body(session: str, position: int, token: int | None, rows: np.ndarray, *, return_key: str = "k",
+         sampling: pb.SamplingParams | None = None, relay: bool = False, **entry_fields) -> bytes:
+    payload = np.ascontiguousarray(rows, dtype=np.float32).tobytes()
+    descriptor = pb.FrameDescriptor(version=1, dtype=pb.DTYPE_F32, layout=pb.LAYOUT_TOKEN_MAJOR, producer_stage_index=0,
+                                    layer_start=0, layer_end=15, token_count=rows.shape[0],
+                                    sequence_count=rows.shape[0], payload_bytes=len(payload), width=rows.shape[1])
+    entry = pb.BatchEntry(session_id=session, phase=pb.PHASE_DECODE, positions=[position],
+                          token_ids=[] if token is None else [token], sample_last=True,
+                          sampling=sampling_to_pb(None) if sampling is None else sampling, **entry_fields)
+    request = pb.IterationBatchRequest(request_id="r", entries=[entry], return_key=return_key,
+                                       frame=pb.ActivationFrame(descriptor=descriptor, payload=payload))
+    return pb.HopRequest(hop_id=3, request=request, relay=relay, sent_unix_ns=time.time_ns()).SerializeToString()
+
+
+def head_rows(head: StageRuntime, session: str, positions, tokens) -> np.ndarray:
+    return head.run_batch([BatchEntry(session, np.asarray(positions), token_ids=np.asarray(tokens))])[0].hidden
+
+
+def prefill(chain, session: str) -> tuple[int, int, np.ndarray]:
+    """Session bound at both stages with the prompt: (its next position, the sampled token, rows of
+    the head for the next step's feed are computed by the caller)."""
+    head, tail = chain.stages
+    tokens = tail.tokenizer.tokenize(PROMPT)
+    rows = head_rows(head, "h-" + session, range(len(tokens)), tokens)
+    token = tail.run_batch([BatchEntry(session, np.arange(len(tokens)), token_ids=np.asarray(tokens), hidden=rows,
+                                       sample=True, sampling=SamplingParams())])[0].token
+    return len(tokens), token, rows
+
+
+def state(tail: StageRuntime, session: str) -> tuple[int, int, list[int]]:
+    lane = tail.lanes.lane_of(session)
+    return lane.n_tokens, lane.batches, list(tail._history[session])
+
+
+def test_a_plain_decode_frame_gives_the_python_paths_token_session_state_and_message(chain, native, link):
+    head, tail = chain.stages
+    pos, token, _ = prefill(chain, "py")
+    assert prefill(chain, "nat")[:2] == (pos, token)
+    try:
+        for _ in range(12):
+            row = head_rows(head, "h-py", [pos], [token])
+            expected = tail.run_batch([BatchEntry("py", np.asarray([pos]), token_ids=np.asarray([token]), hidden=row,
+                                                  sample=True, sampling=SamplingParams())])[0].token
+            done = native.run(body("nat", pos, token, row, return_key=f"k{pos}"), link.ours, link.lock)
+            assert done is not None and done[0] == 0, done
+            returned = link.read()
+            assert returned.return_key == f"k{pos}"
+            assert returned.response.final_stage_id == STAGE_ID
+            [out] = returned.response.outputs
+            assert (out.session_id, out.has_token, out.token) == ("nat", True, expected)
+            status_code, _, compute_s, latency_s, entries, payload_bytes, message, marks = done
+            assert entries == 1 and payload_bytes == 4 * N_EMBD and message is None
+            assert compute_s > 0 and latency_s >= 0 and all(marks)
+            token, pos = expected, pos + 1
+        assert state(tail, "nat") == state(tail, "py")
+        assert not link.pending()
+    finally:
+        for session in ("py", "nat"):
+            tail.drop_session(session)
+        head.drop_session("h-py")
+        head.drop_session("h-nat")
+
+
+def test_frames_it_cannot_prove_plain_are_declined_and_touch_nothing(chain, native, link):
+    head, tail = chain.stages
+    pos, token, _ = prefill(chain, "d")
+    row = head_rows(head, "h-d", [pos], [token])
+    nan = row.copy()
+    nan[0, 7] = np.nan
+    plain = body("d", pos, token, row)
+    declined = {
+        "the session's position is not its next one": body("d", pos + 1, token, row),
+        "the session is not bound here": body("nobody", pos, token, row),
+        "the head asked for the outputs relayed": body("d", pos, token, row, relay=True),
+        "it asks for logits": body("d", pos, token, row, want_logits=True),
+        "seeded sampling": body("d", pos, token, row, sampling=sampling_to_pb(SamplingParams(temperature=0.7, seed=3))),
+        "a repetition penalty": body("d", pos, token, row, sampling=sampling_to_pb(SamplingParams(repeat_penalty=1.3))),
+        "an invalid setting": body("d", pos, token, row, sampling=pb.SamplingParams(top_k=-1)),
+        "top_logprobs": body("d", pos, token, row, top_logprobs=2),
+        "a non-finite row": body("d", pos, token, nan),
+        "a row of the wrong width": body("d", pos, token, row[:, :-1]),
+        "a token id outside the vocabulary": body("d", pos, 49152, row),
+        "no return key": body("d", pos, token, row, return_key=""),
+        "a session id that is not ASCII": body("dé", pos, token, row),
+        "a field it does not know": plain + b"\xb0\x06\x01",  # field 102, varint
+        "a prefix id": body("d", pos, token, row, prefix_id="p"),
+    }
+    before = state(tail, "d")
+    try:
+        for why, frame in declined.items():
+            assert native.run(frame, link.ours, link.lock) is None, why
+            assert state(tail, "d") == before, why
+        assert not link.pending()
+        # Every cut of a frame either no longer parses (declined) or ends at a field boundary (a
+        # frame that still runs, once: the session then moves on and the old position declines).
+        ran = 0
+        for cut in range(len(plain)):
+            done = native.run(plain[:cut], link.ours, link.lock)
+            assert done is None or done[0] == 0
+            ran += done is not None
+        assert ran <= 1
+        assert state(tail, "d")[0] == before[0] + ran
+    finally:
+        tail.drop_session("d")
+        head.drop_session("h-d")
+
+
+def test_corrupted_frames_never_crash_it_and_keep_the_session_consistent(chain, native, link):
+    """Random byte flips anywhere in a plain frame: each is declined or runs as a valid frame."""
+    head, tail = chain.stages
+    pos, token, _ = prefill(chain, "f")
+    row = head_rows(head, "h-f", [pos], [token])
+    plain = bytearray(body("f", pos, token, row))
+    rng = random.Random(7)
+    start = tail.lanes.lane_of("f").n_tokens
+    ran = 0
+    try:
+        for _ in range(400):
+            frame = bytearray(plain)
+            for _ in range(rng.randint(1, 4)):
+                frame[rng.randrange(len(frame))] = rng.randrange(256)
+            done = native.run(bytes(frame), link.ours, link.lock)
+            assert done is None or done[0] == 0
+            if done is not None:
+                ran += 1
+                link.read()
+        lane = tail.lanes.lane_of("f")
+        assert lane.n_tokens == start + ran
+        assert len(tail._history["f"]) == lane.n_tokens + 1  # the last sample, fed by the next step
+    finally:
+        tail.drop_session("f")
+        head.drop_session("h-f")
+
+
+# -- on real serve processes ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    return reference_texts(smollm2, [PROMPT], 24)[0]
+
+
+def native_count(port: int) -> float:
+    return metric(scrape(port), "skippy_native_frames_total")
+
+
+def settled(port: int, at_least: float) -> float:
+    """The native frame count once it reaches ``at_least`` (metrics are recorded after the send)."""
+    deadline = time.monotonic() + 10
+    while (count := native_count(port)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count
+
+
+def test_a_pipelines_greedy_decode_frames_run_natively_with_the_unsplit_models_text(
+        smollm2, start_pipeline, reference):
+    ports = free_ports("127.0.0.1", 2)
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=ports)
+    text, last = grpc_generate(pipeline.head_endpoint, PROMPT, 24)
+    assert text == reference
+    # Every decode step but the prompt's (several positions: Python) ran natively.
+    assert settled(ports[1], last.completion_tokens - 1) >= last.completion_tokens - 1
+    assert_no_active_sessions(pipeline.configs)
+
+    # Seeded sampling and penalties are the Python path's: the count stays; the text is the one a
+    # pipeline without the native path gives.
+    before = native_count(ports[1])
+    off_ports = free_ports("127.0.0.1", 2)
+    python_only = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=off_ports,
+                                 native_frames=[True, False])
+    assert grpc_generate(python_only.head_endpoint, PROMPT, 24)[0] == reference
+    for sampling in (pb.SamplingParams(temperature=0.8, seed=11), pb.SamplingParams(repeat_penalty=1.5)):
+        assert (grpc_generate(pipeline.head_endpoint, PROMPT, 16, sampling=sampling)[0]
+                == grpc_generate(python_only.head_endpoint, PROMPT, 16, sampling=sampling)[0])
+    assert native_count(ports[1]) == before
+    assert native_count(off_ports[1]) == 0
+
+
+def test_a_plain_frame_for_a_session_the_final_stage_does_not_hold_is_refused_by_name(smollm2, start_pipeline):
+    """Declined natively, refused by the Python path on the edge's back channel; the stage stays up."""
+    ports = free_ports("127.0.0.1", 2)
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=ports)
+    grpc_generate(pipeline.head_endpoint, PROMPT, 4)  # the final stage's return link is up
+    port = status(str(pipeline.configs[1]["bind_addr"])).frame_port
+    link = framing.dial("127.0.0.1", port, creds=Credentials(), purpose=pb.FrameHello.PURPOSE_HOP, stage_id="test",
+                        max_message_bytes=1 << 20, timeout_s=5)
+    try:
+        link.sock.sendall(_message(body("ghost", 5, 1, np.zeros((1, N_EMBD)))))
+        kind, reply_body = link.receive()
+        reply = framing.parse(kind, reply_body, framing.Kind.HOP_REPLY)
+    finally:
+        link.close()
+    assert reply.code != 0 and "ghost" in reply.message, reply
+    assert list(reply.session_ids) == ["ghost"]
+    assert grpc_generate(pipeline.head_endpoint, PROMPT, 4)[0]
+    assert_no_active_sessions(pipeline.configs)
+
+
+def _message(hop_request: bytes) -> bytes:
+    return framing._HEADER.pack(len(hop_request) + 1, framing.Kind.HOP_REQUEST) + hop_request
