@@ -1,6 +1,7 @@
 """Only the compiled parts: the hidden-state capture callback (skippy_stage/model/native/capture.c,
-a plain shared library that skippy_stage.model.capture loads with ctypes) and the final stage's
-frame path (skippy_stage/stage/native/finalframe.c, a Python module: skippy_stage.stage._finalframe).
+a plain shared library that skippy_stage.model.capture loads with ctypes) and a stage's
+frame path for plain frames (skippy_stage/stage/native/frames.c, a Python module:
+skippy_stage.stage._frames).
 
 Everything else is in pyproject.toml.
 """
@@ -16,9 +17,11 @@ setup(
             py_limited_api=False,
         ),
         Extension(
-            "skippy_stage.stage._finalframe",
-            sources=["skippy_stage/stage/native/finalframe.c"],
+            "skippy_stage.stage._frames",
+            sources=["skippy_stage/stage/native/frames.c"],
             extra_compile_args=["-O2", "-Wall"],
+            # Without it (no compiler or Python headers) every frame runs the Python path.
+            optional=True,
         ),
     ],
 )

@@ -281,8 +281,9 @@ class StageConfig:
     # length-prefixed connection to the neighbour's frame listener (the default: bench measures
     # it far below the gRPC stream's floor), or "stream", the gRPC ActivationStream.
     hop_transport: str = "tcp"
-    # Final stage: run plain decode frames (greedy, one position per session, f32 rows, a plain TCP
-    # return link) in compiled code rather than Python; every other frame runs the Python path.
+    # Below the head: run plain decode frames (one position per bound session, f32 rows, plain TCP
+    # links; at the final stage greedy sampling) in compiled code rather than Python; every other
+    # frame runs the Python path.
     native_frames: bool = True
     # The TCP frame listener's port on bind_addr's host (hop_transport "tcp"); unset: any free
     # port, which the stage advertises in GetStatus (fix it where a firewall or Service must know).

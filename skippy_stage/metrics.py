@@ -112,8 +112,8 @@ class StageMetrics:
         self._activation = lru_cache(self.activation_bytes.labels)
         self.forward_failures = Counter("skippy_forward_failures", "Batches lost because a downstream failed",
                                         ["failed_stage"], registry=r)
-        self.native_frames = Counter("skippy_native_frames", "Frames the final stage ran in compiled code "
-                                     "(plain greedy decode frames; every other frame runs in Python)", registry=r)
+        self.native_frames = Counter("skippy_native_frames", "Frames this stage ran in compiled code (plain "
+                                     "decode frames; every other frame runs in Python)", registry=r)
         self.returns = lru_cache(Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
                                "(direct: straight from the final stage; relay: back up through the stages) or, at "
                                "the final stage, how they left (sent: straight to the head; relayed: up the edge)",

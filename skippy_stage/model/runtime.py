@@ -45,7 +45,7 @@ from skippy_stage.errors import (
     UnknownSessionError,
 )
 from skippy_stage.model import llama_ffi, loader
-from skippy_stage.model.capture import Capture, LayerTap, make_capture
+from skippy_stage.model.capture import Capture, LayerTap, NativeCapture, make_capture
 from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
 from skippy_stage.model.sampling import SamplerChain, SamplingParams, validated_once
 from skippy_stage.model.slicing import MANIFEST_SUFFIX, read_model_info
@@ -341,21 +341,25 @@ class StageRuntime:
         b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
 
-    def native_final_args(self) -> dict[str, object] | None:
-        """What the final stage's native frame path (``skippy_stage.stage.native_frames``) works
-        on: this runtime's context, batch buffers, locks and session state, shared rather than
-        copied (one owner). None where that path cannot run: not a final stage fed hidden rows,
-        several positions per row (M-RoPE), or layer taps on the graph."""
+    def native_frame_args(self) -> dict[str, object] | None:
+        """What a stage's native frame path (``skippy_stage.stage.native_frames``) works on: this
+        runtime's context, batch buffers, capture, locks and session state, shared rather than
+        copied (one owner). None where that path cannot run: a head (token input), several
+        positions per row (M-RoPE), layer taps on the graph, a capture in Python."""
         cfg = self.config
-        if not cfg.include_output or cfg.include_embeddings or self._pos_sections != 1 or self._tap is not None:
+        if cfg.include_embeddings or self._pos_sections != 1 or self._tap is not None:
+            return None
+        if not cfg.include_output and not isinstance(self._capture, NativeCapture):
             return None
         fn = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
         return dict(
             ctx=self._ctx, mem=self._mem, decode=fn(llama_cpp.llama_decode),
             logits_ith=fn(llama_cpp.llama_get_logits_ith), seq_rm=fn(llama_cpp.llama_memory_seq_rm),
             batch=ctypes.addressof(self._batch), pos=self._pos.ctypes.data, seq=self._seq.ctypes.data,
-            out=self._out.ctypes.data, embd=self._embd.ctypes.data, n_embd=self.n_embd, n_vocab=self.n_vocab,
-            n_batch=min(cfg.n_batch, cfg.n_ubatch), layer_start=cfg.layer_start,
+            out=self._out.ctypes.data, embd=self._embd.ctypes.data,
+            capture=0 if cfg.include_output else self._capture.user_data, n_embd=self.n_embd,
+            n_vocab=self.n_vocab, n_batch=min(cfg.n_batch, cfg.n_ubatch), layer_start=cfg.layer_start,
+            layer_end=cfg.layer_end, stage_index=cfg.stage_index, equal_split=self._equal_split,
             cells_per_lane=self.lanes.cells_per_lane, kv_pool_tokens=self.lanes.kv_pool_tokens, owner=self,
             compute_lock=self._compute, lanes_lock=self.lanes._lock, sessions=self.lanes._sessions,
             resident=self.lanes._resident, histories=self._history, samplers=self._samplers,
@@ -912,11 +916,14 @@ class StageRuntime:
 
 def decode_error(rc: int, n_tokens: int) -> CapacityError | RuntimeFailure:
     """What a failed llama_decode (return code ``rc``) means for the batch: 1 is llama.cpp's "no KV
-    slot"; -1000 is the native frame path's "no logits for an output row"."""
+    slot"; -1000 and -1001 are the native frame path's "no logits for an output row" and "the
+    capture saw other micro-batches than one of the batch's rows"."""
     if rc == 1:
         return CapacityError(f"llama.cpp found no KV slot for a batch of {n_tokens} tokens")
     if rc == -1000:
         return RuntimeFailure(f"llama.cpp has no logits for an output row of a batch of {n_tokens} tokens")
+    if rc == -1001:
+        return RuntimeFailure(f"hidden-state capture disagrees with the predicted micro-batch of {n_tokens} rows")
     return RuntimeFailure(f"llama_decode failed with code {rc} on a batch of {n_tokens} tokens")
 
 

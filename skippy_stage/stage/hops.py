@@ -21,6 +21,7 @@ Failures become :class:`DownstreamError` naming the neighbour here and nowhere e
 from __future__ import annotations
 
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -104,6 +105,18 @@ class TcpHop:
             threading.Thread(target=self._read, args=(link,), name="hop-tcp-reader", daemon=True).start()
             return link
 
+    @property
+    def plain_link(self) -> framing.FrameSocket | None:
+        """The live link when it is a plain socket (no TLS): the native frame path writes to it
+        directly. None until the first frame has opened it, and while it is down."""
+        link = self._link
+        return link if link is not None and not isinstance(link.sock, ssl.SSLSocket) else None
+
+    def broke(self, link: framing.FrameSocket, detail: str) -> DownstreamError:
+        """A send on ``link`` failed: drop it (stages above hear of it); the error for the frame."""
+        self._broke(link, detail)
+        return self._error(detail)
+
     def send(self, frame: Frame) -> None:
         link = self._connect()
         try:
@@ -111,8 +124,7 @@ class TcpHop:
             link.send(framing.Kind.HOP_REQUEST, codec.frame_to_pb(frame))
             tracing.mark("s1")
         except framing.LinkClosed as exc:
-            self._broke(link, str(exc))
-            raise self._error(str(exc)) from None
+            raise self.broke(link, str(exc)) from None
 
     def _read(self, link: framing.FrameSocket) -> None:
         detail = "closed by the peer"

@@ -145,7 +145,7 @@ class FrameListener:
             except framing.LinkClosed:
                 pass  # the upstream is gone; it fails its own steps
         stage.inbound.add(sink)
-        native = stage.native_final
+        native = stage.native
         try:
             while True:
                 frames = []

@@ -1,17 +1,20 @@
-"""The final stage's frame path in C (``native/finalframe.c``), for the frames it can prove plain.
+"""A stage's frame path in C (``native/frames.c``), for the frames it can prove plain.
 
-A final stage's plain decode frame — one position per entry of a session already bound here,
-f32 hidden rows, plain greedy sampling, no logits, outputs straight to the head over a plain TCP
-link — costs the Python frame path ~300 us on co-located stages (its bytecode runs on caches the
-decode just evicted). The C path parses the bytes, checks them, admits the entries through the
-runtime's own lane table and locks, decodes, picks each token as llama.cpp's greedy sampler does,
-writes the sessions' histories, and sends the ReturnedBatch, in one call.
+A plain decode frame — one position per entry of a session already bound here, f32 hidden rows,
+no rewind, prefix or fork — costs a stage's Python frame path ~300 us on co-located stages (its
+bytecode runs on caches the decode just evicted). The C path parses the bytes, checks them,
+admits the entries through the runtime's own lane table and locks, decodes, and sends the
+result on, in one call: at the final stage each token picked as llama.cpp's greedy sampler
+picks it (plain greedy settings only) and the ReturnedBatch straight to the head; at an inner
+stage the captured rows as the next HopRequest, the entries forwarded as they came, its return
+key routed through ``Stage.routes`` as the Python path routes it.
 
 Anything else it declines before touching any state, and the frame runs the Python path as it
 always did — so every refusal keeps the message that path gives, naming the field. What the C
-path does not do itself happens here, after the tokens have left: the metrics, and the rare
-outcomes (a decode llama.cpp refused: the sessions are freed and the error goes up the edge; a
-return link that broke in the send: the outputs are relayed up the edge instead).
+path does not do itself happens here, after the frame has left: the metrics, and the rare
+outcomes (a decode that failed: the sessions are freed and the error goes up the edge; a link
+that broke in the send: the final stage relays the outputs up the edge instead, an inner stage
+reports the broken edge as the Python path does).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from skippy_stage.metrics import Tally
 from skippy_stage.model.runtime import decode_error
 from skippy_stage.model.sampling import plain_greedy
 from skippy_stage.stage import codec, framing
+from skippy_stage.stage.downstream import DownstreamClient
+from skippy_stage.stage.hops import TcpHop
 from skippy_stage.stage.returns import TcpReturn
 from skippy_stage.stage.steps import Reply, check_sampling
 from skippy_stage.v1 import stage_pb2 as pb
@@ -30,54 +35,74 @@ from skippy_stage.v1 import stage_pb2 as pb
 log = structlog.get_logger("skippy_stage.native_frames")
 
 try:
-    from skippy_stage.stage import _finalframe
-except ImportError as exc:  # built by ``pip install``; without a C compiler the Python path runs
-    _finalframe = None
+    from skippy_stage.stage import _frames
+except ImportError as exc:  # built by ``pip install`` where a C compiler is; else Python runs every frame
+    _frames = None
     _IMPORT_ERROR = str(exc)
 else:
     _IMPORT_ERROR = ""
 
-_STATUS_SENT, _STATUS_UNSENT, _STATUS_DECODE_FAILED = 0, 1, 2
+_SENT, _UNSENT, _DECODE_FAILED = 0, 1, 2
 _MARKS = ("parsed", "d0", "d1", "s1")  # tracing's names for the C path's clock readings
+_INVALID, _VALID, _PLAIN_GREEDY = 0, 1, 2
 
 
-def _classify(raw: bytes) -> bool:
-    """Whether a SamplingParams message (its bytes) is plain greedy and valid: the C path asks once
-    per distinct message and remembers."""
+def classify(raw: bytes) -> int:
+    """A SamplingParams message (its bytes) as the C path needs it: invalid (the Python path
+    refuses it), valid, or plain greedy. Asked once per distinct message, then remembered."""
     try:
         params = check_sampling(codec.sampling_from_pb(pb.SamplingParams.FromString(raw)), "sampling")
     except Exception:  # noqa: BLE001 - undecodable or invalid: the Python path says why
-        return False
-    return plain_greedy(params)
+        return _INVALID
+    return _PLAIN_GREEDY if plain_greedy(params) else _VALID
 
 
 def available() -> str:
     """Empty when the native path is built, else why not."""
-    return "" if _finalframe is not None else f"native frame path not built: {_IMPORT_ERROR}"
+    return "" if _frames is not None else f"native frame path not built: {_IMPORT_ERROR}"
 
 
-class NativeFinal:
-    """One final stage's native frame path; ``run`` a frame's bytes, False when declined."""
+class NativeFrames:
+    """One stage's native frame path; ``run`` a frame's bytes, False when declined."""
 
     def __init__(self, stage, args: dict[str, object]) -> None:  # stage: a Stage (it imports this module)
         self.stage = stage
-        self._path = _finalframe.FinalPath(**args, classify=_classify, stage_id=stage.config.stage_id.encode())
+        self.final = stage.config.include_output
+        self._path = _frames.FramePath(**args, hop_timeout_s=stage.timeouts.hop_s,
+                                       routes=None if self.final else stage.routes, classify=classify,
+                                       stage_id=stage.config.stage_id.encode())
+
+    def _target(self):
+        """Where this stage's output goes (a TcpReturn or a TcpHop) and its plain link, or None."""
+        stage = self.stage
+        if self.final:
+            target = stage.return_path
+            if not isinstance(target, TcpReturn):
+                return None
+        else:
+            downstream = stage.downstream
+            target = downstream.hop if isinstance(downstream, DownstreamClient) else None
+            if not isinstance(target, TcpHop):
+                return None
+        link = target.plain_link
+        return None if link is None else (target, link)
 
     def run(self, body: bytes, sink) -> bool:
         """Run the HopRequest ``body`` from the edge whose back channel is ``sink``; False (nothing
         done) when the Python path must take it."""
         stage = self.stage
-        return_path = stage.return_path
-        if not isinstance(return_path, TcpReturn):
-            return False
-        link = return_path.plain_link
-        if link is None or not stage.accepting_frames:
+        if not stage.accepting_frames:
             return False
         with stage.gate.passing():
-            done = self._path.run(body, link.sock, link.send_lock)
+            # Read inside the gate: a hand-off switches the downstream while the gate is closed.
+            found = self._target()
+            if found is None:
+                return False
+            target, link = found
+            done = self._path.run(body, link.sock, link.send_lock, sink)
             if done is None:
                 return False
-            status, rc, compute_s, latency_s, entries, payload_bytes, message, marks = done
+            status, rc, compute_s, latency_s, entries, payload_bytes, message, marks, key = done
             for name, t_ns in zip(_MARKS, marks):
                 tracing.mark_at(name, t_ns)
             tally = Tally()
@@ -86,33 +111,44 @@ class NativeFinal:
             tally.received.append(("f32", payload_bytes))
             tally.computes.append((compute_s, entries, entries, []))
             tally.native += 1
-            if status == _STATUS_DECODE_FAILED:
-                frame = codec.frame_from_pb(framing.parse(framing.Kind.HOP_REQUEST, body, framing.Kind.HOP_REQUEST))
-                stage.refuse_frame(frame, decode_error(rc, entries), sink)
-            elif status == _STATUS_UNSENT:
-                return_path.broke(link, "send failed")
-                hop = pb.HopRequest.FromString(body)
+            if status == _DECODE_FAILED:
+                stage.refuse_frame(self._frame(body), decode_error(rc, entries), sink)
+            elif status == _UNSENT and self.final:
+                target.broke(link, "send failed")
                 returned = pb.ReturnedBatch.FromString(message)
-                sink(Reply(hop_id=hop.hop_id, return_key=returned.return_key,
+                sink(Reply(hop_id=self._frame(body).hop_id, return_key=returned.return_key,
                            outputs=codec.outputs_from_pb(returned.response)))
                 tally.returns.append("relayed")
                 tally.frames_ok += 1
+            elif status == _UNSENT:
+                stage.routes.take(key)
+                stage.refuse_frame(self._frame(body), target.broke(link, "send failed"), sink)
             else:
-                tally.returns.append("sent")
+                if self.final:
+                    tally.returns.append("sent")
+                else:
+                    tally.sent.append(("f32", payload_bytes))
                 tally.frames_ok += 1
         stage.metrics.record(tally)
         return True
 
+    @staticmethod
+    def _frame(body: bytes):
+        """The frame as the Python path reads it (for the rare outcomes; the C path parsed it)."""
+        return codec.frame_from_pb(framing.parse(framing.Kind.HOP_REQUEST, body, framing.Kind.HOP_REQUEST))
 
-def for_stage(stage) -> NativeFinal | None:
+
+def for_stage(stage) -> NativeFrames | None:
     """The native path for ``stage`` (a loaded Stage), or None where it cannot or may not run."""
     cfg = stage.config
-    if not cfg.native_frames or not cfg.include_output or cfg.include_embeddings or cfg.hop_transport != "tcp":
+    if not cfg.native_frames or cfg.include_embeddings or cfg.hop_transport != "tcp":
         return None
-    if _finalframe is None:
+    if not cfg.include_output and cfg.wire_dtype != "f32":
+        return None  # the native path writes f32 rows only
+    if _frames is None:
         stage.log.warning("frames run in Python", reason=available())
         return None
-    args = stage.runtime.native_final_args()
+    args = stage.runtime.native_frame_args()
     if args is None:
         return None
-    return NativeFinal(stage, args)
+    return NativeFrames(stage, args)

@@ -197,8 +197,8 @@ class Stage:
         self._pending_lock = threading.Lock()
         self._drop_retry = threading.Lock()
         self.return_path: TcpReturn | StreamReturn | LocalReturn | None = None
-        # The final stage's compiled path for plain frames (set once loaded; None: Python only).
-        self.native_final: native_frames.NativeFinal | None = None
+        # The compiled path for plain frames below the head (set once loaded; None: Python only).
+        self.native: native_frames.NativeFrames | None = None
         if config.return_to is not None:
             if config.hop_transport == "tcp":
                 self.return_path = TcpReturn(config.return_to, credentials=self.credentials,
@@ -277,7 +277,7 @@ class Stage:
             wire_dtype=self.config.wire_dtype,
         )
         self.runtime = runtime
-        self.native_final = native_frames.for_stage(self)
+        self.native = native_frames.for_stage(self)
         m = self.metrics
         m.gauge_from("lanes_active", lambda: runtime.stats().active_sessions)
         m.gauge_from("lanes_idle", lambda: runtime.stats().idle_lanes)

@@ -80,8 +80,8 @@ def link():
 @pytest.fixture(scope="module")
 def native(chain):
     tail = chain.stages[1]
-    return native_frames._finalframe.FinalPath(**tail.native_final_args(), classify=native_frames._classify,
-                                               stage_id=STAGE_ID.encode())
+    return native_frames._frames.FramePath(**tail.native_frame_args(), hop_timeout_s=30.0, routes=None,
+                                           classify=native_frames.classify, stage_id=STAGE_ID.encode())
 
 
 def body(session: str, position: int, token: int | None, rows: np.ndarray, *, return_key: str = "k",
@@ -127,15 +127,15 @@ def test_a_plain_decode_frame_gives_the_python_paths_token_session_state_and_mes
             row = head_rows(head, "h-py", [pos], [token])
             expected = tail.run_batch([BatchEntry("py", np.asarray([pos]), token_ids=np.asarray([token]), hidden=row,
                                                   sample=True, sampling=SamplingParams())])[0].token
-            done = native.run(body("nat", pos, token, row, return_key=f"k{pos}"), link.ours, link.lock)
+            done = native.run(body("nat", pos, token, row, return_key=f"k{pos}"), link.ours, link.lock, None)
             assert done is not None and done[0] == 0, done
             returned = link.read()
             assert returned.return_key == f"k{pos}"
             assert returned.response.final_stage_id == STAGE_ID
             [out] = returned.response.outputs
             assert (out.session_id, out.has_token, out.token) == ("nat", True, expected)
-            status_code, _, compute_s, latency_s, entries, payload_bytes, message, marks = done
-            assert entries == 1 and payload_bytes == 4 * N_EMBD and message is None
+            status_code, _, compute_s, latency_s, entries, payload_bytes, message, marks, key = done
+            assert entries == 1 and payload_bytes == 4 * N_EMBD and message is None and key is None
             assert compute_s > 0 and latency_s >= 0 and all(marks)
             token, pos = expected, pos + 1
         assert state(tail, "nat") == state(tail, "py")
@@ -174,14 +174,14 @@ def test_frames_it_cannot_prove_plain_are_declined_and_touch_nothing(chain, nati
     before = state(tail, "d")
     try:
         for why, frame in declined.items():
-            assert native.run(frame, link.ours, link.lock) is None, why
+            assert native.run(frame, link.ours, link.lock, None) is None, why
             assert state(tail, "d") == before, why
         assert not link.pending()
         # Every cut of a frame either no longer parses (declined) or ends at a field boundary (a
         # frame that still runs, once: the session then moves on and the old position declines).
         ran = 0
         for cut in range(len(plain)):
-            done = native.run(plain[:cut], link.ours, link.lock)
+            done = native.run(plain[:cut], link.ours, link.lock, None)
             assert done is None or done[0] == 0
             ran += done is not None
         assert ran <= 1
@@ -205,7 +205,7 @@ def test_corrupted_frames_never_crash_it_and_keep_the_session_consistent(chain, 
             frame = bytearray(plain)
             for _ in range(rng.randint(1, 4)):
                 frame[rng.randrange(len(frame))] = rng.randrange(256)
-            done = native.run(bytes(frame), link.ours, link.lock)
+            done = native.run(bytes(frame), link.ours, link.lock, None)
             assert done is None or done[0] == 0
             if done is not None:
                 ran += 1

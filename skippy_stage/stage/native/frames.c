@@ -1,17 +1,20 @@
-/* The final stage's frame path without the interpreter: a plain decode frame's bytes in, its
- * sampled tokens on the head's return link out.
+/* A stage's frame path without the interpreter, for the frames it can prove plain: a decode
+ * frame's bytes in; at the final stage its sampled tokens out on the head's return link, at an
+ * inner stage the next frame out on the downstream link.
  *
  * Why: on co-located stages every Python bytecode a frame runs after a llama_decode runs on caches
- * that decode just evicted (3-10x its hot cost, measured); the final stage's frame path took
- * ~300 us a token there in Python (parse, checks, batch, sample, encode, send). Here it is one call.
+ * that decode just evicted (3-10x its hot cost, measured); a stage's frame path took ~300 us a
+ * token there in Python (parse, checks, batch, sample or capture, encode, send). Here it is one call.
  *
  * It handles only what it can prove plain, and *declines* (returns None, touching nothing) the
  * rest, which the Python path then runs as before, errors and all: one frame alone on its link,
- * f32 hidden rows, one position per entry of a session already bound here, greedy sampling with
- * nothing that reads history (the head sends plain greedy settings by default), no logits, no
- * relay, a plain TCP return link. Anything odd in the bytes (a field it does not know, a value
- * out of range, a string that is not ASCII) is a decline too: the Python path's checks then name
- * the field, so refusals are written once.
+ * f32 hidden rows, one position per entry of a session already bound here, no rewind, prefix or
+ * fork; at the final stage greedy sampling with nothing that reads history (the head sends plain
+ * greedy settings by default), no logits, no relay, a plain TCP return link; at an inner stage
+ * valid sampling settings (it only carries them), an f32 wire, a plain TCP downstream link.
+ * Anything odd in the bytes (a field it does not know, a value out of range, a string that is
+ * not ASCII) is a decline too: the Python path's checks then name the field, so refusals are
+ * written once.
  *
  * State is not copied: the lane table, the session histories and the samplers stay the Python
  * objects the runtime owns, read and written here through the C API under the same locks in the
@@ -46,7 +49,8 @@ typedef _Bool (*seq_rm_fn)(void *mem, int32_t seq, int32_t p0, int32_t p1);
 #define MAX_ENTRIES 64
 #define MAX_ID 256       /* config.MAX_SESSION_ID_LEN */
 #define MAX_KEY 64       /* steps.MAX_RETURN_KEY_LEN */
-#define KIND_RETURNED 5  /* framing.Kind.RETURNED_BATCH */
+#define KIND_HOP_REQUEST 3 /* framing.Kind.HOP_REQUEST */
+#define KIND_RETURNED 5    /* framing.Kind.RETURNED_BATCH */
 
 /* -- protobuf reading ------------------------------------------------------------------------ */
 
@@ -119,6 +123,8 @@ static int rd_one_int(rd_t *r, uint32_t wt, int64_t *value, int *count) {
 }
 
 typedef struct {
+    const uint8_t *raw; /* the whole BatchEntry, forwarded as it came (inner stage) */
+    size_t raw_len;
     const uint8_t *sid;
     size_t sid_len;
     int64_t pos, token;
@@ -128,14 +134,17 @@ typedef struct {
     uint64_t draws;
     int32_t lane, row;
     int32_t sampled;
+    int sample_last;
     PyObject *sid_obj, *lane_obj;
 } entry_t;
 
-/* A BatchEntry the fast path can run, or 0. */
-static int parse_entry(const uint8_t *s, size_t n, entry_t *e) {
+/* A BatchEntry the fast path can run, or 0. ``final``: it samples here (and returns no logits). */
+static int parse_entry(const uint8_t *s, size_t n, entry_t *e, int final) {
     rd_t r = {s, s + n};
     int seen_sid = 0, seen_sampling = 0, sample_last = 0;
     memset(e, 0, sizeof *e);
+    e->raw = s;
+    e->raw_len = n;
     while (r.p < r.end) {
         uint32_t f, wt;
         uint64_t v;
@@ -159,7 +168,10 @@ static int parse_entry(const uint8_t *s, size_t n, entry_t *e) {
             if (wt != 0 || !rd_varint(&r, &v) || v > 1) return 0;
             sample_last = (int)v;
             break;
-        case 6: case 9: case 10: case 11: /* want_logits, rewind, verify, all_rows: only false */
+        case 6: /* want_logits: a final stage's; carried along by an inner one */
+            if (wt != 0 || !rd_varint(&r, &v) || v > 1 || (final && v)) return 0;
+            break;
+        case 9: case 10: case 11: /* rewind, verify, all_rows: only false */
             if (wt != 0 || !rd_varint(&r, &v) || v != 0) return 0;
             break;
         case 7: /* sampling */
@@ -176,14 +188,19 @@ static int parse_entry(const uint8_t *s, size_t n, entry_t *e) {
         }
     }
     if (!seen_sid || e->sid_len == 0 || e->sid_len > MAX_ID || !ascii(e->sid, e->sid_len)) return 0;
-    if (!sample_last || e->n_pos != 1 || e->n_tok > 1) return 0;
+    if ((final && !sample_last) || e->n_pos != 1 || e->n_tok > 1) return 0;
     if (e->pos < 0 || e->pos >= INT32_MAX) return 0;
-    if (e->draws > (uint64_t)e->pos) return 0;
+    if (final && e->draws > (uint64_t)e->pos) return 0; /* checked where it samples */
+    e->sample_last = sample_last;
     return 1;
 }
 
 typedef struct {
     uint64_t hop_id, sent_ns;
+    double timeout_s;
+    int relay;
+    const uint8_t *request_id;
+    size_t request_id_len;
     const uint8_t *key;
     size_t key_len;
     const uint8_t *payload;
@@ -221,8 +238,30 @@ static int parse_descriptor(const uint8_t *s, size_t n, desc_t *d) {
     return 1;
 }
 
+/* The capture callback's state (skippy_stage/model/native/capture.c, ABI 1). */
+struct skippy_capture {
+    void *get_name, *nbytes, *tensor_get;
+    const char *target;
+    float *dst;
+    int64_t width;
+    int64_t capacity_rows;
+    int32_t *counts;
+    int32_t capacity_counts;
+    int32_t n_counts;
+    int64_t rows;
+    int32_t error;
+    int32_t bad_type;
+    int64_t bad_width;
+};
+
 typedef struct {
     PyObject_HEAD
+    int final;                        /* samples and returns to the head; else forwards */
+    struct skippy_capture *capture;   /* inner stage: the boundary rows land in capture->dst */
+    int equal_split;                  /* llama.cpp splits a multi-sequence batch by sequence */
+    int stage_index, layer_end;
+    double hop_timeout_s;             /* the cap on a forwarded frame's timeout_s */
+    PyObject *routes;                 /* inner stage: Stage.routes (claim: a key replies come back under) */
     void *ctx, *mem;
     decode_fn decode;
     logits_ith_fn logits_ith;
@@ -235,12 +274,12 @@ typedef struct {
     long cells_per_lane, kv_pool_tokens;
     PyObject *owner; /* the runtime: its _ctx is None once closed */
     PyObject *compute_lock, *lanes_lock, *sessions, *resident, *histories, *samplers;
-    PyObject *plain_sampling; /* dict: SamplingParams bytes -> bool */
-    PyObject *classify;       /* callable(bytes) -> bool, for a settings message not seen yet */
+    PyObject *sampling_kinds; /* dict: SamplingParams bytes -> 0 invalid, 1 valid, 2 plain greedy */
+    PyObject *classify;       /* callable(bytes) -> that kind, for a settings message not seen yet */
     PyObject *stage_id;       /* bytes */
-} FinalPath;
+} FramePath;
 
-static int parse_frame(FinalPath *self, const uint8_t *data, size_t size, frame_t *fr) {
+static int parse_frame(FramePath *self, const uint8_t *data, size_t size, frame_t *fr) {
     rd_t r = {data, data + size};
     const uint8_t *req = NULL, *frame = NULL;
     size_t req_len = 0, frame_len = 0;
@@ -255,9 +294,12 @@ static int parse_frame(FinalPath *self, const uint8_t *data, size_t size, frame_
         } else if (f == 2 && wt == 2) {
             if (seen_req++ || !rd_bytes(&r, &req, &req_len)) return 0;
         } else if (f == 3 && wt == 1) {
-            if (!rd_skip_fixed(&r, 8)) return 0; /* timeout_s: the final stage sends nothing further */
+            if (!rd_skip_fixed(&r, 8)) return 0;
+            memcpy(&fr->timeout_s, r.p - 8, 8);
         } else if (f == 4 && wt == 0) {
-            if (!rd_varint(&r, &v) || v != 0) return 0; /* relay: the Python path relays */
+            /* relay: the final stage's Python path relays; an inner stage passes it on */
+            if (!rd_varint(&r, &v) || v > 1 || (self->final && v)) return 0;
+            fr->relay = (int)v;
         } else if (f == 5 && wt == 0) {
             if (!rd_varint(&r, &fr->sent_ns)) return 0;
         } else {
@@ -273,23 +315,27 @@ static int parse_frame(FinalPath *self, const uint8_t *data, size_t size, frame_
         size_t n;
         if (!rd_key(&q, &f, &wt) || wt != 2 || !rd_bytes(&q, &s, &n)) return 0;
         if (f == 1) {
-            if (!ascii(s, n)) return 0; /* request_id */
+            if (!ascii(s, n)) return 0;
+            fr->request_id = s;
+            fr->request_id_len = n;
         } else if (f == 2) {
-            if (fr->n >= MAX_ENTRIES || fr->n >= self->n_batch || !parse_entry(s, n, &fr->entries[fr->n])) return 0;
+            if (fr->n >= MAX_ENTRIES || fr->n >= self->n_batch || !parse_entry(s, n, &fr->entries[fr->n], self->final))
+                return 0;
             fr->n++;
         } else if (f == 3) {
             if (seen_frame++) return 0;
             frame = s;
             frame_len = n;
         } else if (f == 4) {
-            if (seen_key++ || n == 0 || n > MAX_KEY || !ascii(s, n)) return 0;
+            /* the final stage returns under it; an inner stage may route an empty one anew */
+            if (seen_key++ || (self->final && n == 0) || n > MAX_KEY || !ascii(s, n)) return 0;
             fr->key = s;
             fr->key_len = n;
         } else {
             return 0;
         }
     }
-    if (!seen_frame || !seen_key || fr->n == 0) return 0;
+    if (!seen_frame || (self->final && !seen_key) || fr->n == 0) return 0;
     rd_t a = {frame, frame + frame_len};
     desc_t d;
     int seen_desc = 0, seen_payload = 0;
@@ -338,24 +384,26 @@ static int call_method(PyObject *o, const char *name) {
     return 0;
 }
 
-static int sampling_plain(FinalPath *self, const entry_t *e) {
+/* 0 invalid, 1 valid, 2 plain greedy; -1: a Python error. */
+static int sampling_kind(FramePath *self, const entry_t *e) {
     PyObject *key = PyBytes_FromStringAndSize((const char *)e->sampling, (Py_ssize_t)e->sampling_len);
     if (key == NULL) return -1;
-    PyObject *known = PyDict_GetItemWithError(self->plain_sampling, key);
-    int plain;
+    PyObject *known = PyDict_GetItemWithError(self->sampling_kinds, key);
+    int kind;
     if (known != NULL) {
-        plain = known == Py_True;
+        kind = (int)PyLong_AsLong(known);
     } else if (PyErr_Occurred()) {
-        plain = -1;
+        kind = -1;
     } else {
         PyObject *r = PyObject_CallOneArg(self->classify, key);
-        plain = r == NULL ? -1 : PyObject_IsTrue(r);
-        if (r != NULL && plain >= 0 && e->sampling_len <= 512 && PyDict_Size(self->plain_sampling) < 512)
-            if (PyDict_SetItem(self->plain_sampling, key, r) < 0) plain = -1;
+        kind = r == NULL ? -1 : (int)PyLong_AsLong(r);
+        if (kind == -1 && !PyErr_Occurred()) kind = 0;
+        if (r != NULL && kind >= 0 && e->sampling_len <= 512 && PyDict_Size(self->sampling_kinds) < 512)
+            if (PyDict_SetItem(self->sampling_kinds, key, r) < 0) kind = -1;
         Py_XDECREF(r);
     }
     Py_DECREF(key);
-    return plain;
+    return kind;
 }
 
 static double now_monotonic(void) {
@@ -399,7 +447,7 @@ static uint8_t *put_bytes(uint8_t *p, uint32_t field, const void *s, size_t n) {
 
 /* ReturnedBatch{return_key, response: IterationBatchResponse{outputs: EntryOutput{session_id,
  * has_token, token}..., final_stage_id}} after a 5-byte frame header; its total length. */
-static size_t encode_returned(FinalPath *self, const frame_t *fr, uint8_t **out) { /* *out: PyMem_Free it */
+static size_t encode_returned(FramePath *self, const frame_t *fr, uint8_t **out) { /* *out: PyMem_Free it */
     const char *stage = PyBytes_AS_STRING(self->stage_id);
     size_t stage_len = (size_t)PyBytes_GET_SIZE(self->stage_id);
     size_t outputs[MAX_ENTRIES];
@@ -440,7 +488,7 @@ static size_t encode_returned(FinalPath *self, const frame_t *fr, uint8_t **out)
 
 /* 1: every entry's session is bound here at its next position with room, the pool needs no
  * eviction, its sampler (if any) is plain greedy; 0: decline; -1: a Python error. */
-static int check_lanes(FinalPath *self, frame_t *fr) {
+static int check_lanes(FramePath *self, frame_t *fr) {
     Py_ssize_t i = 0;
     PyObject *k, *v;
     long used = 0, resident = 0;
@@ -470,7 +518,7 @@ static int check_lanes(FinalPath *self, frame_t *fr) {
     return 1;
 }
 
-static int samplers_plain(FinalPath *self, frame_t *fr) {
+static int samplers_plain(FramePath *self, frame_t *fr) {
     for (int j = 0; j < fr->n; j++) {
         PyObject *state = PyDict_GetItemWithError(self->samplers, fr->entries[j].sid_obj);
         if (state == NULL) {
@@ -489,7 +537,7 @@ static int samplers_plain(FinalPath *self, frame_t *fr) {
     return 1;
 }
 
-static int advance_lanes(FinalPath *self, frame_t *fr) {
+static int advance_lanes(FramePath *self, frame_t *fr) {
     PyObject *when = PyFloat_FromDouble(now_monotonic());
     if (when == NULL) return -1;
     int rc = 0;
@@ -508,7 +556,7 @@ static int advance_lanes(FinalPath *self, frame_t *fr) {
 }
 
 /* history[pos:] = [token_id] (the fed token, if it came along) + [sampled], as the runtime does. */
-static int extend_histories(FinalPath *self, frame_t *fr) {
+static int extend_histories(FramePath *self, frame_t *fr) {
     for (int j = 0; j < fr->n; j++) {
         entry_t *e = &fr->entries[j];
         PyObject *history = PyDict_GetItemWithError(self->histories, e->sid_obj);
@@ -558,22 +606,87 @@ static void release_entries(frame_t *fr) {
     }
 }
 
-/* run(body, sock, send_lock) -> None (declined: nothing touched) or
- * (status, detail, compute_s, latency_s, entries, payload_bytes, message, marks)
- *   status 0: decoded and sent; 1: decoded, the send failed (``message`` holds the ReturnedBatch,
- *   for the caller to relay); 2: llama_decode returned ``detail`` (the KV was cut back; nothing
- *   advanced). latency_s < 0: the frame carried no send time. marks: wall-clock ns when the frame
- *   was parsed, llama_decode started, the tokens were picked, the send returned (0: not reached). */
-static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
+/* An inner stage's next frame: HopRequest{request: IterationBatchRequest{request_id, the entries as
+ * they came, frame: ActivationFrame{descriptor, rows}, return_key}, timeout_s, relay, sent_unix_ns}
+ * after a 5-byte frame header; its total length (0: no memory). ``rows`` in entry order. */
+static size_t encode_forward(FramePath *self, const frame_t *fr, const char *key, size_t key_len, double timeout_s,
+                             const float *rows, uint8_t **out) {
+    size_t payload = (size_t)fr->n * (size_t)self->n_embd * 4;
+    uint64_t d[11] = {1, 1, 1, (uint64_t)self->stage_index, (uint64_t)self->layer_start, (uint64_t)self->layer_end,
+                      (uint64_t)fr->n, (uint64_t)fr->n, payload, 0, (uint64_t)self->n_embd};
+    size_t desc = 0;
+    for (int f = 0; f < 11; f++)
+        if (d[f]) desc += 1 + varint_len(d[f]);
+    size_t frame = 1 + varint_len(desc) + desc + 1 + varint_len(payload) + payload;
+    size_t request = 1 + varint_len(frame) + frame;
+    if (fr->request_id_len) request += 1 + varint_len(fr->request_id_len) + fr->request_id_len;
+    if (key_len) request += 1 + varint_len(key_len) + key_len;
+    for (int j = 0; j < fr->n; j++) request += 1 + varint_len(fr->entries[j].raw_len) + fr->entries[j].raw_len;
+    uint64_t sent = now_unix_ns();
+    size_t body = 1 + varint_len(request) + request + 9 + (fr->relay ? 2 : 0) + 1 + varint_len(sent);
+    uint8_t *start = PyMem_Malloc(5 + body), *p = start;
+    if (start == NULL) return 0;
+    uint32_t length = (uint32_t)(body + 1);
+    *p++ = (uint8_t)(length >> 24);
+    *p++ = (uint8_t)(length >> 16);
+    *p++ = (uint8_t)(length >> 8);
+    *p++ = (uint8_t)length;
+    *p++ = KIND_HOP_REQUEST;
+    *p++ = 2 << 3 | 2;
+    p = put_varint(p, request);
+    if (fr->request_id_len) p = put_bytes(p, 1, fr->request_id, fr->request_id_len);
+    for (int j = 0; j < fr->n; j++) p = put_bytes(p, 2, fr->entries[j].raw, fr->entries[j].raw_len);
+    *p++ = 3 << 3 | 2;
+    p = put_varint(p, frame);
+    *p++ = 1 << 3 | 2;
+    p = put_varint(p, desc);
+    for (int f = 0; f < 11; f++)
+        if (d[f]) {
+            p = put_varint(p, (uint64_t)(f + 1) << 3);
+            p = put_varint(p, d[f]);
+        }
+    p = put_bytes(p, 2, rows, payload);
+    if (key_len) p = put_bytes(p, 4, key, key_len);
+    *p++ = 3 << 3 | 1;
+    memcpy(p, &timeout_s, 8);
+    p += 8;
+    if (fr->relay) {
+        *p++ = 4 << 3;
+        *p++ = 1;
+    }
+    *p++ = 5 << 3;
+    p = put_varint(p, sent);
+    *out = start;
+    return (size_t)(p - start);
+}
+
+/* downstream.timeout_for: what is left of the caller's deadline (at least 1 ms), capped. */
+static double forward_timeout(const FramePath *self, double remaining) {
+    if (remaining == 0.0 || remaining != remaining) return self->hop_timeout_s;
+    double t = remaining < self->hop_timeout_s ? remaining : self->hop_timeout_s;
+    return t > 0.001 ? t : 0.001;
+}
+
+/* run(body, sock, send_lock, sink) -> None (declined: nothing touched) or
+ * (status, detail, compute_s, latency_s, entries, payload_bytes, message, marks, key)
+ *   status 0: decoded and sent; 1: decoded, the send failed (``message`` holds what was to go:
+ *   the final stage's ReturnedBatch, for the caller to relay; an inner stage's HopRequest); 2: the
+ *   decode failed with ``detail`` (llama_decode's code; -1000 no logits; -1001 the capture
+ *   disagrees): the KV was cut back, nothing advanced. latency_s < 0: the frame carried no send
+ *   time. marks: wall-clock ns when the frame was parsed, llama_decode started, the outputs were
+ *   ready, the send returned (0: not reached). key: the return key an inner stage routed (None at
+ *   the final stage). */
+static PyObject *FramePath_run(FramePath *self, PyObject *args) {
     Py_buffer body;
-    PyObject *sock, *send_lock;
-    if (!PyArg_ParseTuple(args, "y*OO", &body, &sock, &send_lock)) return NULL;
+    PyObject *sock, *send_lock, *sink;
+    if (!PyArg_ParseTuple(args, "y*OOO", &body, &sock, &send_lock, &sink)) return NULL;
     frame_t *fr = PyMem_Malloc(sizeof(frame_t));
+    float *forward_rows = NULL;
     if (fr == NULL) {
         PyBuffer_Release(&body);
         return PyErr_NoMemory();
     }
-    PyObject *result = NULL;
+    PyObject *result = NULL, *key_obj = NULL;
     uint8_t *msg = NULL;
     int locked = 0, lanes_locked = 0;
     fr->n = 0;
@@ -589,9 +702,11 @@ static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
     for (int j = 0; j < fr->n; j++) {
         entry_t *e = &fr->entries[j];
         if (e->n_tok && (e->token < 0 || e->token >= self->n_vocab)) goto decline;
-        int plain = sampling_plain(self, e);
-        if (plain < 0) goto fail;
-        if (!plain) goto decline;
+        if (e->sample_last) { /* checked wherever it rides; only the final stage samples */
+            int kind = sampling_kind(self, e);
+            if (kind < 0) goto fail;
+            if (kind < (self->final ? 2 : 1)) goto decline;
+        }
         e->sid_obj = PyUnicode_FromStringAndSize((const char *)e->sid, (Py_ssize_t)e->sid_len);
         if (e->sid_obj == NULL) goto fail;
     }
@@ -605,7 +720,7 @@ static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
     int open = live != Py_None;
     Py_DECREF(live);
     if (!open) goto decline; /* closed meanwhile: the Python path says so */
-    int ok = samplers_plain(self, fr);
+    int ok = self->final ? samplers_plain(self, fr) : 1;
     if (ok < 0) goto fail;
     if (!ok) goto decline;
     if (call_method(self->lanes_lock, "acquire") < 0) goto fail;
@@ -625,6 +740,8 @@ static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
         }
         order[k] = j;
     }
+    /* Several sequences split by sequence come back from the capture in llama.cpp's order: Python's. */
+    if (!self->final && self->equal_split && fr->n > 1) goto decline;
     for (int r = 0; r < fr->n; r++) {
         entry_t *e = &fr->entries[order[r]];
         e->row = r;
@@ -634,13 +751,23 @@ static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
         memcpy(self->embd + (size_t)r * self->n_embd, rows + (size_t)order[r] * self->n_embd,
                sizeof(float) * (size_t)self->n_embd);
     }
+    if (!self->final) {
+        forward_rows = PyMem_Malloc(sizeof(float) * (size_t)fr->n * (size_t)self->n_embd);
+        if (forward_rows == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        self->capture->n_counts = 0;
+        self->capture->rows = 0;
+        self->capture->error = 0;
+    }
     batch_t batch = self->batch;
     batch.n_tokens = fr->n;
     int32_t rc;
     Py_BEGIN_ALLOW_THREADS
     marks[1] = now_unix_ns();
     rc = self->decode(self->ctx, batch);
-    if (rc == 0)
+    if (rc == 0 && self->final) {
         for (int j = 0; j < fr->n; j++) {
             float *logits = self->logits_ith(self->ctx, fr->entries[j].row);
             if (logits == NULL) {
@@ -649,13 +776,23 @@ static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
             }
             fr->entries[j].sampled = greedy(logits, self->n_vocab);
         }
+    } else if (rc == 0) {
+        const struct skippy_capture *c = self->capture;
+        if (c->error != 0 || c->n_counts != 1 || c->counts[0] != fr->n || c->rows != fr->n) {
+            rc = -1001;
+        } else {
+            for (int j = 0; j < fr->n; j++)
+                memcpy(forward_rows + (size_t)j * self->n_embd, c->dst + (size_t)fr->entries[j].row * self->n_embd,
+                       sizeof(float) * (size_t)self->n_embd);
+        }
+    }
     marks[2] = now_unix_ns();
     if (rc != 0)
         for (int j = 0; j < fr->n; j++)
             self->seq_rm(self->mem, fr->entries[j].lane, (int32_t)fr->entries[j].pos, -1);
     Py_END_ALLOW_THREADS
     if (rc == 0) {
-        if (extend_histories(self, fr) < 0) goto fail;
+        if (self->final && extend_histories(self, fr) < 0) goto fail;
         if (call_method(self->lanes_lock, "acquire") < 0) goto fail;
         lanes_locked = 1;
         int adv = advance_lanes(self, fr);
@@ -667,12 +804,24 @@ static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double compute = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
     if (rc != 0) {
-        result = Py_BuildValue("(iiddnnO(KKKK))", 2, (int)rc, compute, latency, (Py_ssize_t)fr->n,
-                               (Py_ssize_t)fr->payload_len, Py_None, marks[0], marks[1], marks[2], marks[3]);
+        result = Py_BuildValue("(iiddnnO(KKKK)O)", 2, (int)rc, compute, latency, (Py_ssize_t)fr->n,
+                               (Py_ssize_t)fr->payload_len, Py_None, marks[0], marks[1], marks[2], marks[3], Py_None);
         goto done;
     }
 
-    size_t len = encode_returned(self, fr, &msg);
+    size_t len;
+    if (self->final) {
+        len = encode_returned(self, fr, &msg);
+    } else {
+        /* Replies from below for this step come back under the key routed here (Stage.routes). */
+        key_obj = PyObject_CallMethod(self->routes, "claim", "s#OK", (const char *)fr->key, (Py_ssize_t)fr->key_len,
+                                      sink, (unsigned long long)fr->hop_id);
+        if (key_obj == NULL) goto fail;
+        Py_ssize_t key_len;
+        const char *key = PyUnicode_AsUTF8AndSize(key_obj, &key_len);
+        if (key == NULL) goto fail;
+        len = encode_forward(self, fr, key, (size_t)key_len, forward_timeout(self, fr->timeout_s), forward_rows, &msg);
+    }
     if (len == 0) {
         PyErr_NoMemory();
         goto fail;
@@ -702,8 +851,9 @@ static PyObject *FinalPath_run(FinalPath *self, PyObject *args) {
         Py_INCREF(message);
     else if ((message = PyBytes_FromStringAndSize((const char *)msg + 5, (Py_ssize_t)len - 5)) == NULL)
         goto fail;
-    result = Py_BuildValue("(iiddnnN(KKKK))", status, 0, compute, latency, (Py_ssize_t)fr->n,
-                           (Py_ssize_t)fr->payload_len, message, marks[0], marks[1], marks[2], marks[3]);
+    result = Py_BuildValue("(iiddnnN(KKKK)O)", status, 0, compute, latency, (Py_ssize_t)fr->n,
+                           (Py_ssize_t)fr->payload_len, message, marks[0], marks[1], marks[2],
+                           marks[3], key_obj == NULL ? Py_None : key_obj);
     goto done;
 
 decline:
@@ -723,29 +873,40 @@ fail:
         PyErr_Restore(type, value, tb);
     }
 done:
+    Py_XDECREF(key_obj);
     PyMem_Free(msg);
+    PyMem_Free(forward_rows);
     release_entries(fr);
     PyMem_Free(fr);
     PyBuffer_Release(&body);
     return result;
 }
 
-static int FinalPath_init(FinalPath *self, PyObject *args, PyObject *kw) {
+static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"ctx", "mem", "decode", "logits_ith", "seq_rm", "batch", "pos", "seq", "out", "embd",
-                            "n_embd", "n_vocab", "n_batch", "layer_start", "cells_per_lane", "kv_pool_tokens",
-                            "owner", "compute_lock", "lanes_lock", "sessions", "resident", "histories", "samplers",
+                            "capture", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end", "stage_index",
+                            "equal_split", "cells_per_lane", "kv_pool_tokens", "hop_timeout_s", "owner",
+                            "compute_lock", "lanes_lock", "sessions", "resident", "histories", "samplers", "routes",
                             "classify", "stage_id", NULL};
-    unsigned long long ctx, mem, decode, logits_ith, seq_rm, batch, pos, seq, out, embd;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKKKKKiiiillOOOO!O!O!O!OS", names, &ctx, &mem, &decode,
-                                     &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &self->n_embd,
-                                     &self->n_vocab, &self->n_batch, &self->layer_start, &self->cells_per_lane,
-                                     &self->kv_pool_tokens, &self->owner, &self->compute_lock, &self->lanes_lock, &PyDict_Type,
-                                     &self->sessions, &PyDict_Type, &self->resident, &PyDict_Type, &self->histories,
-                                     &PyDict_Type, &self->samplers, &self->classify, &self->stage_id))
+    unsigned long long ctx, mem, decode, logits_ith, seq_rm, batch, pos, seq, out, embd, capture;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKKKKKKiiiiiiplldOOOO!O!O!O!OOS", names, &ctx, &mem, &decode,
+                                     &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &capture, &self->n_embd,
+                                     &self->n_vocab, &self->n_batch, &self->layer_start, &self->layer_end,
+                                     &self->stage_index, &self->equal_split, &self->cells_per_lane,
+                                     &self->kv_pool_tokens, &self->hop_timeout_s, &self->owner, &self->compute_lock,
+                                     &self->lanes_lock, &PyDict_Type, &self->sessions, &PyDict_Type, &self->resident,
+                                     &PyDict_Type, &self->histories, &PyDict_Type, &self->samplers, &self->routes,
+                                     &self->classify, &self->stage_id))
         return -1;
-    if (!ctx || !mem || !decode || !logits_ith || !seq_rm || !batch || !pos || !seq || !out || !embd
-        || self->n_embd <= 0 || self->n_vocab <= 0 || self->n_batch <= 0) {
-        PyErr_SetString(PyExc_ValueError, "FinalPath needs every pointer and positive sizes");
+    if (!ctx || !mem || !decode || !seq_rm || !batch || !pos || !seq || !out || !embd || self->n_embd <= 0
+        || self->n_vocab <= 0 || self->n_batch <= 0) {
+        PyErr_SetString(PyExc_ValueError, "FramePath needs every pointer and positive sizes");
+        return -1;
+    }
+    /* A final stage samples (logits_ith) and has no capture; an inner one captures and routes. */
+    self->final = capture == 0;
+    if ((self->final && !logits_ith) || (!self->final && self->routes == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "FramePath: a final stage needs logits_ith, an inner one routes");
         return -1;
     }
     self->ctx = (void *)(uintptr_t)ctx;
@@ -758,14 +919,15 @@ static int FinalPath_init(FinalPath *self, PyObject *args, PyObject *kw) {
     self->seq = (int32_t *)(uintptr_t)seq;
     self->out = (int8_t *)(uintptr_t)out;
     self->embd = (float *)(uintptr_t)embd;
-    PyObject *objs[] = {self->owner, self->compute_lock, self->lanes_lock, self->sessions, self->resident, self->histories,
-                        self->samplers, self->classify, self->stage_id};
+    self->capture = (struct skippy_capture *)(uintptr_t)capture;
+    PyObject *objs[] = {self->owner, self->compute_lock, self->lanes_lock, self->sessions, self->resident,
+                        self->histories, self->samplers, self->routes, self->classify, self->stage_id};
     for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) Py_INCREF(objs[i]);
-    self->plain_sampling = PyDict_New();
-    return self->plain_sampling == NULL ? -1 : 0;
+    self->sampling_kinds = PyDict_New();
+    return self->sampling_kinds == NULL ? -1 : 0;
 }
 
-static void FinalPath_dealloc(FinalPath *self) {
+static void FramePath_dealloc(FramePath *self) {
     Py_XDECREF(self->owner);
     Py_XDECREF(self->compute_lock);
     Py_XDECREF(self->lanes_lock);
@@ -773,38 +935,39 @@ static void FinalPath_dealloc(FinalPath *self) {
     Py_XDECREF(self->resident);
     Py_XDECREF(self->histories);
     Py_XDECREF(self->samplers);
+    Py_XDECREF(self->routes);
     Py_XDECREF(self->classify);
     Py_XDECREF(self->stage_id);
-    Py_XDECREF(self->plain_sampling);
+    Py_XDECREF(self->sampling_kinds);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyMethodDef FinalPath_methods[] = {
-    {"run", (PyCFunction)FinalPath_run, METH_VARARGS,
-     "run(body, sock, send_lock): the frame decoded and its tokens sent, or None (declined)"},
+static PyMethodDef FramePath_methods[] = {
+    {"run", (PyCFunction)FramePath_run, METH_VARARGS,
+     "run(body, sock, send_lock, sink): the frame decoded and its output sent, or None (declined)"},
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject FinalPathType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._finalframe.FinalPath",
-    .tp_basicsize = sizeof(FinalPath),
+static PyTypeObject FramePathType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._frames.FramePath",
+    .tp_basicsize = sizeof(FramePath),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)FinalPath_init,
-    .tp_dealloc = (destructor)FinalPath_dealloc,
-    .tp_methods = FinalPath_methods,
-    .tp_doc = "The final stage's plain frames, parsed, decoded, sampled and returned in C.",
+    .tp_init = (initproc)FramePath_init,
+    .tp_dealloc = (destructor)FramePath_dealloc,
+    .tp_methods = FramePath_methods,
+    .tp_doc = "A stage's plain frames, parsed, decoded and sent on in C.",
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_finalframe", NULL, -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", NULL, -1, NULL};
 
-PyMODINIT_FUNC PyInit__finalframe(void) {
-    if (PyType_Ready(&FinalPathType) < 0) return NULL;
+PyMODINIT_FUNC PyInit__frames(void) {
+    if (PyType_Ready(&FramePathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&FinalPathType);
-    if (PyModule_AddObject(m, "FinalPath", (PyObject *)&FinalPathType) < 0) {
-        Py_DECREF(&FinalPathType);
+    Py_INCREF(&FramePathType);
+    if (PyModule_AddObject(m, "FramePath", (PyObject *)&FramePathType) < 0) {
+        Py_DECREF(&FramePathType);
         Py_DECREF(m);
         return NULL;
     }
