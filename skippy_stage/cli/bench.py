@@ -29,7 +29,7 @@ from skippy_stage.config import SHARED_HOST_PLACES_ENV, StageConfig
 from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
 from skippy_stage.server import wake_latency
-from skippy_stage.stage import wire
+from skippy_stage.stage import native_frames, wire
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -148,7 +148,7 @@ def stage_threads(n_stages: int) -> int:
 class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
                  transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False,
-                 kv_unified: bool = True) -> None:
+                 kv_unified: bool = True, native_frames: bool = True) -> None:
         """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
         again and again, which resident prefixes would answer without a prefill."""
         threads = stage_threads(len(ranges))
@@ -158,7 +158,7 @@ class _Pipeline:
             "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
             **({"hop_transport": transport} if transport else {}),
             **({} if prefix_cache else {"cache_idle_slots": 0}), "kv_unified": kv_unified,
-            "cpu_wake_latency_us": wake_latency_setting(),
+            "cpu_wake_latency_us": wake_latency_setting(), "native_frames": native_frames,
         }, return_path=return_path)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
@@ -490,6 +490,10 @@ def run(json_path: str | None = None) -> dict[str, object]:
         pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
         stage_cpu = {n: decode[n]["cpu"] for n in ("2", "3")}
         hops = {"2": decode["2"]["hops"], "3": decode["3"]["hops"]}
+        # The stages below the head with their plain frames in C (the default) and all in Python.
+        report["frame_path_comparison_3_stage"] = {"native_ms_per_token": compared["3-tcp"]["ms"],
+                                                   "python_ms_per_token": compared["3-python"]["ms"]}
+        report["native_frames"] = native_frames.available() == ""
         report["return_path_comparison_3_stage"] = {"relay_ms_per_token": compared["3-relay"]["ms"],
                                                     "direct_ms_per_token": compared["3-tcp"]["ms"]}
         report["decode_rounds"] = {**{name: d["runs"] for name, d in decode.items()},
@@ -663,14 +667,15 @@ def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[flo
 # separates the pipelines from it is the split alone.
 HEADLINE_CONTENDERS = {"1": ([(0, 30)], "direct", "tcp"), "2": ([(0, 15), (15, 30)], "direct", "tcp"),
                        "3": (THREE, "direct", "tcp")}
+# "3-python": the default pipeline with every frame on the Python path (native_frames off).
 COMPARISON_CONTENDERS = {"3-tcp": (THREE, "direct", "tcp"), "3-relay": (THREE, "relay", "tcp"),
-                         "3-stream": (THREE, "direct", "stream")}
+                         "3-stream": (THREE, "direct", "stream"), "3-python": (THREE, "direct", "tcp", False)}
 
 
 def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
-                        contenders: dict[str, tuple[list[tuple[int, int]], str, str]]) -> dict[str, dict]:
+                        contenders: dict[str, tuple]) -> dict[str, dict]:
     """Single-stream decode of the unsplit model and of ``contenders`` (name: layer ranges,
-    return path, transport), in rounds.
+    return path, transport[, native frames]), in rounds.
 
     Everything is loaded at once and each round runs each contender once, so a slow moment of a
     noisy machine hits all of them alike; the figures are the medians over the rounds.
@@ -679,10 +684,11 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
     single = SingleDecoder(model, cores)
     runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
     try:
-        for name, (ranges, return_path, transport) in contenders.items():
+        for name, (ranges, return_path, transport, *native) in contenders.items():
             sub = workdir / f"decode-{name}"
             sub.mkdir()
-            pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport)
+            pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport,
+                                        native_frames=native[0] if native else True)
         single.ms_per_token()  # warm
         for _ in range(DECODE_ROUNDS):
             runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
@@ -770,6 +776,10 @@ def format_table(report: dict[str, object]) -> str:
         default = " (default)" if transport == r["hop_transport_default"] else ""
         lines.append(f"3 stages over {transport:6}: {t['ms_per_token']:.2f} ms/token, per-hop overhead "
                      f"{t['per_hop_overhead_us']:.0f} us, hop latency {t['hop_latency_us']:.0f} us{default}")
+    fp = r["frame_path_comparison_3_stage"]
+    lines.append(f"3 stages, frames below the head in Python: {fp['python_ms_per_token']:.2f} ms/token; "
+                 f"in C where plain: {fp['native_ms_per_token']:.2f} ms/token"
+                 f"{' (default)' if r['native_frames'] else ' (not built here: both ran Python)'}")
     rp = r["return_path_comparison_3_stage"]
     lines.append(f"3 stages, tokens relayed back: {rp['relay_ms_per_token']:.2f} ms/token; "
                  f"straight to the head: {rp['direct_ms_per_token']:.2f} ms/token (medians, interleaved runs)")

@@ -1,12 +1,13 @@
-"""The final stage's compiled frame path (``stage/native_frames.py``, ``stage/native/finalframe.c``).
+"""The compiled frame path of the stages below the head (``stage/native_frames.py``, ``stage/native/frames.c``).
 
-It stands in for the Python frame path on plain greedy decode frames, so it must be
-indistinguishable from it: the same token for the same frame, the same session state after it
-(lane length, batch count, history), a ReturnedBatch on the return link that the head's codec
-reads as the Python path's. Every frame it cannot prove plain it must *decline* without touching
-anything, so the Python path runs it and gives its usual refusal, naming the field. Checked in
-one process against the real SmolLM2 split 0:15 / 15:30 (a socket pair standing for the head's
-return link), and on real ``serve`` processes.
+It stands in for the Python frame path on plain decode frames, so it must be indistinguishable
+from it: at the final stage the same token for the same frame, the same session state after it
+(lane length, batch count, history), a ReturnedBatch the head's codec reads as the Python path's;
+at an inner stage the same rows bit for bit, the entries sent on as they came, the return key
+routed where replies from below will look for it. Every frame it cannot prove plain it must
+*decline* without touching anything, so the Python path runs it and gives its usual refusal,
+naming the field. Checked in one process against the real SmolLM2 splits 0:15 / 15:30 and
+0:10 / 10:20 / 20:30 (a socket pair standing for the next link), and on real ``serve`` processes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.security import Credentials
 from skippy_stage.stage import framing, native_frames
 from skippy_stage.stage.codec import sampling_to_pb
+from skippy_stage.stage.stage import Routes
 from skippy_stage.v1 import stage_pb2 as pb
 
 PROMPT = "The capital of France is"
@@ -85,17 +87,19 @@ def native(chain):
 
 
 def body(session: str, position: int, token: int | None, rows: np.ndarray, *, return_key: str = "k",
-         sampling: pb.SamplingParams | None = None, relay: bool = False, **entry_fields) -> bytes:
+         sampling: pb.SamplingParams | None = None, relay: bool = False, layer_end: int = 15, timeout_s: float = 0.0,
+         **entry_fields) -> bytes:
     payload = np.ascontiguousarray(rows, dtype=np.float32).tobytes()
     descriptor = pb.FrameDescriptor(version=1, dtype=pb.DTYPE_F32, layout=pb.LAYOUT_TOKEN_MAJOR, producer_stage_index=0,
-                                    layer_start=0, layer_end=15, token_count=rows.shape[0],
+                                    layer_start=0, layer_end=layer_end, token_count=rows.shape[0],
                                     sequence_count=rows.shape[0], payload_bytes=len(payload), width=rows.shape[1])
     entry = pb.BatchEntry(session_id=session, phase=pb.PHASE_DECODE, positions=[position],
                           token_ids=[] if token is None else [token], sample_last=True,
                           sampling=sampling_to_pb(None) if sampling is None else sampling, **entry_fields)
     request = pb.IterationBatchRequest(request_id="r", entries=[entry], return_key=return_key,
                                        frame=pb.ActivationFrame(descriptor=descriptor, payload=payload))
-    return pb.HopRequest(hop_id=3, request=request, relay=relay, sent_unix_ns=time.time_ns()).SerializeToString()
+    return pb.HopRequest(hop_id=3, request=request, relay=relay, sent_unix_ns=time.time_ns(),
+                         timeout_s=timeout_s).SerializeToString()
 
 
 def head_rows(head: StageRuntime, session: str, positions, tokens) -> np.ndarray:
@@ -218,6 +222,88 @@ def test_corrupted_frames_never_crash_it_and_keep_the_session_consistent(chain, 
         head.drop_session("h-f")
 
 
+# -- an inner stage ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chain3(smollm2, slice_cache):
+    configs = split_configs(smollm2, [(0, 10), (10, 20), (20, 30)], slice_cache, n_batch=64, n_ubatch=64,
+                            ctx_size=1024, lane_count=4, kv_unified=False, n_threads=1)
+    built = Chain(configs)
+    yield built
+    built.close()
+
+
+@pytest.fixture
+def inner(chain3):
+    """The middle stage's native path, and the routes it claims return keys in."""
+    routes = Routes()
+    path = native_frames._frames.FramePath(**chain3.stages[1].native_frame_args(), hop_timeout_s=2.5, routes=routes,
+                                           classify=native_frames.classify, stage_id=b"stage-mid")
+    return path, routes
+
+
+def test_an_inner_stage_sends_on_the_python_paths_rows_with_the_entries_as_they_came(chain3, inner, link):
+    head, middle, _ = chain3.stages
+    path, routes = inner
+    tokens = middle.tokenizer.tokenize(PROMPT)
+    rows = head_rows(head, "h", range(len(tokens)), tokens)
+    for session in ("py", "nat"):
+        middle.run_batch([BatchEntry(session, np.arange(len(tokens)), token_ids=np.asarray(tokens), hidden=rows)])
+    pos, token = len(tokens), 42
+    sink = object()
+    try:
+        for step in range(8):
+            row = head_rows(head, "h", [pos], [token])
+            expected = middle.run_batch([BatchEntry("py", np.asarray([pos]), token_ids=np.asarray([token]),
+                                                    hidden=row)])[0].hidden
+            sent = body("nat", pos, token, row, layer_end=10, return_key="" if step == 0 else f"k{step}",
+                        timeout_s=100.0 if step % 2 else 0.5)
+            done = path.run(sent, link.ours, link.lock, sink)
+            assert done is not None and done[0] == 0, done
+            key = done[8]
+            kind, raw = link.head.receive()
+            forwarded = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
+            request = forwarded.request
+            # The rows are the Python path's, bit for bit; the entry is the one that came in.
+            got = np.frombuffer(request.frame.payload, dtype=np.float32).reshape(1, N_EMBD)
+            assert np.array_equal(got, expected)
+            assert [e.SerializeToString() for e in request.entries] == [
+                e.SerializeToString() for e in pb.HopRequest.FromString(sent).request.entries]
+            d = request.frame.descriptor
+            assert (d.dtype, d.producer_stage_index, d.layer_start, d.layer_end, d.width, d.token_count,
+                    d.sequence_count, d.payload_bytes) == (pb.DTYPE_F32, 1, 10, 20, N_EMBD, 1, 1, 4 * N_EMBD)
+            assert request.request_id == "r" and not forwarded.relay and forwarded.sent_unix_ns > 0
+            assert forwarded.timeout_s == (2.5 if step % 2 else 0.5)  # what is left, capped by the hop timeout
+            # Replies from below come back under the key routed here: a fresh one for an empty key.
+            assert request.return_key == key and (key == f"k{step}" if step else len(key) == 32)
+            assert routes.take(key) == (sink, 3)
+            pos, token = pos + 1, token + 1
+        assert middle.lanes.lane_of("nat").n_tokens == middle.lanes.lane_of("py").n_tokens == pos
+        assert middle.lanes.lane_of("nat").batches == middle.lanes.lane_of("py").batches
+    finally:
+        for session in ("py", "nat"):
+            middle.drop_session(session)
+        head.drop_session("h")
+
+
+def test_an_inner_send_that_fails_hands_the_frame_back_for_the_edge_to_be_reported(chain3, inner, link):
+    head, middle, _ = chain3.stages
+    path, routes = inner
+    tokens = middle.tokenizer.tokenize(PROMPT)
+    rows = head_rows(head, "h2", range(len(tokens)), tokens)
+    middle.run_batch([BatchEntry("s", np.arange(len(tokens)), token_ids=np.asarray(tokens), hidden=rows)])
+    try:
+        link.theirs.close()  # the stage below is gone
+        row = head_rows(head, "h2", [len(tokens)], [7])
+        done = path.run(body("s", len(tokens), 7, row, layer_end=10), link.ours, link.lock, None)
+        assert done is not None and done[0] == 1
+        assert pb.HopRequest.FromString(done[6]).request.return_key == done[8]
+    finally:
+        middle.drop_session("s")
+        head.drop_session("h2")
+
+
 # -- on real serve processes ---------------------------------------------------------------------
 
 
@@ -260,6 +346,17 @@ def test_a_pipelines_greedy_decode_frames_run_natively_with_the_unsplit_models_t
                 == grpc_generate(python_only.head_endpoint, PROMPT, 16, sampling=sampling)[0])
     assert native_count(ports[1]) == before
     assert native_count(off_ports[1]) == 0
+
+
+def test_a_three_stage_pipelines_inner_and_final_stages_both_run_its_decode_frames_natively(
+        smollm2, start_pipeline, reference):
+    ports = free_ports("127.0.0.1", 3)
+    pipeline = start_pipeline(smollm2, [(0, 10), (10, 20), (20, 30)], n_threads=1, metrics_port=ports)
+    text, last = grpc_generate(pipeline.head_endpoint, PROMPT, 24)
+    assert text == reference
+    for port in ports[1:]:
+        assert settled(port, last.completion_tokens - 1) >= last.completion_tokens - 1
+    assert_no_active_sessions(pipeline.configs)
 
 
 def test_a_plain_frame_for_a_session_the_final_stage_does_not_hold_is_refused_by_name(smollm2, start_pipeline):

@@ -168,10 +168,8 @@ static int parse_entry(const uint8_t *s, size_t n, entry_t *e, int final) {
             if (wt != 0 || !rd_varint(&r, &v) || v > 1) return 0;
             sample_last = (int)v;
             break;
-        case 6: /* want_logits: a final stage's; carried along by an inner one */
-            if (wt != 0 || !rd_varint(&r, &v) || v > 1 || (final && v)) return 0;
-            break;
-        case 9: case 10: case 11: /* rewind, verify, all_rows: only false */
+        case 6: case 9: case 10: case 11: /* want_logits (every stage checks the reply fits), rewind, verify,
+                                             * all_rows: only false */
             if (wt != 0 || !rd_varint(&r, &v) || v != 0) return 0;
             break;
         case 7: /* sampling */
