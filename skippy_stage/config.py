@@ -318,6 +318,11 @@ class StageConfig:
     http_port: int | None = None
     admission_queue: int = 64
     admission_wait_s: float = 30.0
+    # Head: a streamed generation's tokens that come within this many milliseconds of the last
+    # message sent go out together in the next one (the first token at once, the last at the
+    # end); 0: one message per token. Each message costs the host CPU in the head's stream and
+    # the client; on stages sharing a host's cores that CPU slows the next stage's decode.
+    stream_interval_ms: float = 0.0
     # A generation whose chain fails waits this long for it to come back, then re-prefills
     # its tokens through it and continues; 0: fail at once.
     recovery_wait_s: float = 15.0
@@ -611,6 +616,9 @@ def _validate(cfg: StageConfig) -> None:
     ttl = cfg.session_idle_ttl_s
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= 86400:
         raise _fail(cfg, "session_idle_ttl_s", ttl, "must be a number of seconds in [0, 86400] (0: never expire)")
+    interval = cfg.stream_interval_ms
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1000:
+        raise _fail(cfg, "stream_interval_ms", interval, "must be a number of milliseconds in [0, 1000]")
     if isinstance(cfg.recovery_wait_s, bool) or not isinstance(cfg.recovery_wait_s, (int, float)) \
             or not 0 <= cfg.recovery_wait_s <= 3600:
         raise _fail(cfg, "recovery_wait_s", cfg.recovery_wait_s, "must be a number of seconds in [0, 3600]")

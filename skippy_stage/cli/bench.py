@@ -148,7 +148,7 @@ def stage_threads(n_stages: int) -> int:
 class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
                  transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False,
-                 kv_unified: bool = True, native_frames: bool = True) -> None:
+                 kv_unified: bool = True, native_frames: bool = True, extra: dict | None = None) -> None:
         """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
         again and again, which resident prefixes would answer without a prefill."""
         threads = stage_threads(len(ranges))
@@ -158,7 +158,7 @@ class _Pipeline:
             "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
             **({"hop_transport": transport} if transport else {}),
             **({} if prefix_cache else {"cache_idle_slots": 0}), "kv_unified": kv_unified,
-            "cpu_wake_latency_us": wake_latency_setting(), "native_frames": native_frames,
+            "cpu_wake_latency_us": wake_latency_setting(), "native_frames": native_frames, **(extra or {}),
         }, return_path=return_path)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
@@ -486,6 +486,11 @@ def run(json_path: str | None = None) -> dict[str, object]:
         cache_dir = str(Path(tmp) / "slices")
         decode = _interleaved_decode(model, Path(tmp), cache_dir, cores, HEADLINE_CONTENDERS)
         compared = _interleaved_decode(model, Path(tmp), cache_dir, cores, COMPARISON_CONTENDERS)
+        streamed = _interleaved_decode(model, Path(tmp), cache_dir, cores, STREAM_CONTENDERS)
+        report["stream_interval_2_stage"] = {"interval_ms": STREAM_INTERVAL_MS,
+                                             "each_token_ms_per_token": streamed["2-each"]["ms"],
+                                             "interval_ms_per_token": streamed["2-interval"]["ms"],
+                                             "single_process_ms_per_token": streamed["single"]["ms"]}
         report["single_process_ms_per_token"] = decode["single"]["ms"]
         pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
         stage_cpu = {n: decode[n]["cpu"] for n in ("2", "3")}
@@ -670,12 +675,18 @@ HEADLINE_CONTENDERS = {"1": ([(0, 30)], "direct", "tcp"), "2": ([(0, 15), (15, 3
 # "3-python": the default pipeline with every frame on the Python path (native_frames off).
 COMPARISON_CONTENDERS = {"3-tcp": (THREE, "direct", "tcp"), "3-relay": (THREE, "relay", "tcp"),
                          "3-stream": (THREE, "direct", "stream"), "3-python": (THREE, "direct", "tcp", False)}
+# The client's stream: one message per token (the default) against tokens that come within
+# STREAM_INTERVAL_MS of the last message sent together (``stream_interval_ms``), 2 stages.
+STREAM_INTERVAL_MS = 20.0
+STREAM_CONTENDERS = {"2-each": ([(0, 15), (15, 30)], "direct", "tcp"),
+                     "2-interval": ([(0, 15), (15, 30)], "direct", "tcp", True,
+                                    {"stream_interval_ms": STREAM_INTERVAL_MS})}
 
 
 def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
                         contenders: dict[str, tuple]) -> dict[str, dict]:
     """Single-stream decode of the unsplit model and of ``contenders`` (name: layer ranges,
-    return path, transport[, native frames]), in rounds.
+    return path, transport[, native frames[, other config]]), in rounds.
 
     Everything is loaded at once and each round runs each contender once, so a slow moment of a
     noisy machine hits all of them alike; the figures are the medians over the rounds.
@@ -684,11 +695,12 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
     single = SingleDecoder(model, cores)
     runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
     try:
-        for name, (ranges, return_path, transport, *native) in contenders.items():
+        for name, (ranges, return_path, transport, *more) in contenders.items():
             sub = workdir / f"decode-{name}"
             sub.mkdir()
             pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport,
-                                        native_frames=native[0] if native else True)
+                                        native_frames=more[0] if more else True,
+                                        extra=more[1] if len(more) > 1 else None)
         single.ms_per_token()  # warm
         for _ in range(DECODE_ROUNDS):
             runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
@@ -776,6 +788,11 @@ def format_table(report: dict[str, object]) -> str:
         default = " (default)" if transport == r["hop_transport_default"] else ""
         lines.append(f"3 stages over {transport:6}: {t['ms_per_token']:.2f} ms/token, per-hop overhead "
                      f"{t['per_hop_overhead_us']:.0f} us, hop latency {t['hop_latency_us']:.0f} us{default}")
+    si = r["stream_interval_2_stage"]
+    lines.append(f"2 stages, a client message per token: {si['each_token_ms_per_token']:.2f} ms/token "
+                 f"({si['single_process_ms_per_token'] / si['each_token_ms_per_token']:.2f}); tokens within "
+                 f"{si['interval_ms']:.0f} ms sent together (stream_interval_ms): {si['interval_ms_per_token']:.2f} "
+                 f"ms/token ({si['single_process_ms_per_token'] / si['interval_ms_per_token']:.2f})")
     fp = r["frame_path_comparison_3_stage"]
     lines.append(f"3 stages, frames below the head in Python: {fp['python_ms_per_token']:.2f} ms/token; "
                  f"in C where plain: {fp['native_ms_per_token']:.2f} ms/token"

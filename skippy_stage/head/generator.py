@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import queue
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -281,11 +282,21 @@ class Generator:
         pending_ids: list[int] = []
         pending_lps: list[TokenLogprob] = []
         reason = FINISH_LENGTH
+        # stream_interval_ms: text held back until ``due`` (None: nothing held), so a message goes
+        # out at most every ``interval`` seconds while tokens come faster.
+        interval = self.stage.config.stream_interval_ms / 1e3
+        held, due, last_sent = "", None, float("-inf")
         try:
             while True:
                 try:
-                    event = task.events.get(timeout=_POLL_S)
+                    wait = _POLL_S if due is None else min(_POLL_S, max(0.0, due - time.monotonic()))
+                    event = task.events.get(timeout=wait)
                 except queue.Empty:
+                    if due is not None and time.monotonic() >= due:
+                        yield Piece(held, pending_ids, pending_lps)
+                        held, due, last_sent = "", None, time.monotonic()
+                        pending_ids, pending_lps = [], []
+                        continue
                     remaining = remaining_s()
                     if not is_active() or (remaining is not None and remaining <= 0):
                         slog.info("generation abandoned by the client", completion_tokens=completion)
@@ -304,18 +315,22 @@ class Generator:
                     pending_lps.append(event.logprob)
                     event = event.token
                 pending_ids.append(event)
-                text = scanner.feed(decoder.decode(self.runtime.tokenizer.token_bytes(event)))
+                text = held + scanner.feed(decoder.decode(self.runtime.tokenizer.token_bytes(event)))
+                held = ""
                 if scanner.stopped:
                     reason = FINISH_STOP
                     if text:
                         yield Piece(text, pending_ids, pending_lps)
                     pending_ids, pending_lps = [], []
                     break
-                if text:
+                if text and interval and time.monotonic() < last_sent + interval:
+                    held, due = text, last_sent + interval
+                elif text:
                     yield Piece(text, pending_ids, pending_lps)
+                    due, last_sent = None, time.monotonic()
                     pending_ids, pending_lps = [], []
             if not scanner.stopped:
-                tail = scanner.feed(decoder.decode(b"", final=True))
+                tail = held + scanner.feed(decoder.decode(b"", final=True))
                 if not scanner.stopped:
                     tail += scanner.flush()  # no stop string can complete any more
                 if tail or pending_ids:

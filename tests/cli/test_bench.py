@@ -57,6 +57,8 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert set(report["frame_path_comparison_3_stage"]) == {"native_ms_per_token", "python_ms_per_token"}
     assert all(v > 0 for v in report["frame_path_comparison_3_stage"].values())
     assert report["native_frames"] is True
+    assert report["stream_interval_2_stage"]["interval_ms"] > 0
+    assert all(v > 0 for v in report["stream_interval_2_stage"].values())
     assert set(report["return_path_comparison_3_stage"]) == {"relay_ms_per_token", "direct_ms_per_token"}
     assert all(v > 0 for v in report["return_path_comparison_3_stage"].values())
     assert set(report["hop_floor_us"]) == {"grpc_stream_round_trip_us", "tcp_frame_round_trip_us",

@@ -162,3 +162,23 @@ def test_lossy_wires_keep_the_greedy_texts_of_unambiguous_prompts(wire_dtype, sm
         assert_no_active_sessions(pipeline.configs)
     finally:
         pipeline.stop()
+
+
+def test_a_stream_interval_sends_fast_tokens_together_and_the_text_is_unchanged(smollm2, start_pipeline):
+    """stream_interval_ms: the first token goes at once, tokens that come within the interval of
+    the last message ride in the next one, the last goes with the end; text and ids unchanged."""
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=max(1, (os.cpu_count() or 1) // 2),
+                              stream_interval_ms=[250, 0])
+    prompt, tokens = PROMPTS[1], 32
+    [reference] = reference_texts(smollm2, [prompt], tokens)
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        messages = list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=tokens), timeout=120))
+    pieces, done = messages[:-1], messages[-1]
+    assert done.done and done.completion_tokens == tokens
+    assert "".join(m.text for m in pieces) == reference
+    assert sum(len(m.token_ids) for m in pieces) == tokens
+    assert len(pieces[0].token_ids) == 1  # the first token is not held
+    # 32 tokens at a few ms each in 250 ms windows: a handful of messages, not one per token.
+    assert len(pieces) < tokens / 2, [len(m.token_ids) for m in pieces]
+    assert_no_active_sessions(pipeline.configs)
