@@ -13,12 +13,14 @@ setup(
         Extension(
             "skippy_stage.model._capture",
             sources=["skippy_stage/model/native/capture.c"],
+            depends=["skippy_stage/model/native/capture.h"],
             extra_compile_args=["-O2", "-std=c99"],
             py_limited_api=False,
         ),
         Extension(
             "skippy_stage.stage._frames",
             sources=["skippy_stage/stage/native/frames.c"],
+            depends=["skippy_stage/model/native/capture.h"],
             extra_compile_args=["-O2", "-Wall"],
             # Without it (no compiler or Python headers) every frame runs the Python path.
             optional=True,

@@ -180,6 +180,12 @@ class FrameSocket:
         self.sock.close()
 
 
+def plain(link: FrameSocket | None) -> FrameSocket | None:
+    """``link`` when it is live on a plain socket (no TLS), which the native frame path writes to
+    directly; else None."""
+    return link if link is not None and not isinstance(link.sock, ssl.SSLSocket) else None
+
+
 def parse(kind: int, body: bytes, expected: Kind):
     """The message of ``body``, which must be of kind ``expected``; InvalidRequestError naming
     what was wrong otherwise (the link stays usable: the length prefix kept it in step)."""

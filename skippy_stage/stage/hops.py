@@ -21,7 +21,6 @@ Failures become :class:`DownstreamError` naming the neighbour here and nowhere e
 from __future__ import annotations
 
 import queue
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -107,10 +106,8 @@ class TcpHop:
 
     @property
     def plain_link(self) -> framing.FrameSocket | None:
-        """The live link when it is a plain socket (no TLS): the native frame path writes to it
-        directly. None until the first frame has opened it, and while it is down."""
-        link = self._link
-        return link if link is not None and not isinstance(link.sock, ssl.SSLSocket) else None
+        """The live link on a plain socket (``framing.plain``); None until the first frame has opened it."""
+        return framing.plain(self._link)
 
     def broke(self, link: framing.FrameSocket, detail: str) -> DownstreamError:
         """A send on ``link`` failed: drop it (stages above hear of it); the error for the frame."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import queue
 import secrets
-import ssl
 import threading
 import time
 
@@ -140,10 +139,8 @@ class TcpReturn:
 
     @property
     def plain_link(self) -> framing.FrameSocket | None:
-        """The live link when it is a plain socket (no TLS): the native frame path writes to it
-        directly. None until the first send has connected it, and while it is down."""
-        link = self._link
-        return link if link is not None and not isinstance(link.sock, ssl.SSLSocket) else None
+        """The live link on a plain socket (``framing.plain``); None until the first send has connected it."""
+        return framing.plain(self._link)
 
     def broke(self, link: framing.FrameSocket, detail: str) -> None:
         """A send on ``link`` failed: drop it (the next send reconnects); the caller relays."""

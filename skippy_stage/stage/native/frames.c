@@ -32,6 +32,8 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "../../model/native/capture.h" /* the capture's state, ABI 1 */
+
 typedef struct {
     int32_t n_tokens;
     int32_t *token;
@@ -235,22 +237,6 @@ static int parse_descriptor(const uint8_t *s, size_t n, desc_t *d) {
     }
     return 1;
 }
-
-/* The capture callback's state (skippy_stage/model/native/capture.c, ABI 1). */
-struct skippy_capture {
-    void *get_name, *nbytes, *tensor_get;
-    const char *target;
-    float *dst;
-    int64_t width;
-    int64_t capacity_rows;
-    int32_t *counts;
-    int32_t capacity_counts;
-    int32_t n_counts;
-    int64_t rows;
-    int32_t error;
-    int32_t bad_type;
-    int64_t bad_width;
-};
 
 typedef struct {
     PyObject_HEAD
