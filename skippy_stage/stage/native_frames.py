@@ -19,8 +19,6 @@ reports the broken edge as the Python path does).
 
 from __future__ import annotations
 
-import structlog
-
 from skippy_stage import tracing
 from skippy_stage.metrics import Tally
 from skippy_stage.model.runtime import decode_error
@@ -32,8 +30,6 @@ from skippy_stage.stage.returns import TcpReturn
 from skippy_stage.stage.steps import Reply, check_sampling
 from skippy_stage.v1 import stage_pb2 as pb
 
-log = structlog.get_logger("skippy_stage.native_frames")
-
 try:
     from skippy_stage.stage import _frames
 except ImportError as exc:  # built by ``pip install`` where a C compiler is; else Python runs every frame
@@ -42,7 +38,7 @@ except ImportError as exc:  # built by ``pip install`` where a C compiler is; el
 else:
     _IMPORT_ERROR = ""
 
-_SENT, _UNSENT, _DECODE_FAILED = 0, 1, 2
+_UNSENT, _DECODE_FAILED = 1, 2  # run()'s status; 0: sent
 _MARKS = ("parsed", "d0", "d1", "s1")  # tracing's names for the C path's clock readings
 _INVALID, _VALID, _PLAIN_GREEDY = 0, 1, 2
 
