@@ -344,10 +344,10 @@ class StageRuntime:
     def native_frame_args(self) -> dict[str, object] | None:
         """What a stage's native frame path (``skippy_stage.stage.native_frames``) works on: this
         runtime's context, batch buffers, capture, locks and session state, shared rather than
-        copied (one owner). None where that path cannot run: a head (token input), several
+        copied (one owner). None where that path cannot run: a head that is the whole model, several
         positions per row (M-RoPE), layer taps on the graph, a capture in Python."""
         cfg = self.config
-        if cfg.include_embeddings or self._pos_sections != 1 or self._tap is not None:
+        if (cfg.include_embeddings and cfg.include_output) or self._pos_sections != 1 or self._tap is not None:
             return None
         if not cfg.include_output and not isinstance(self._capture, NativeCapture):
             return None
@@ -356,7 +356,8 @@ class StageRuntime:
             ctx=self._ctx, mem=self._mem, decode=fn(llama_cpp.llama_decode),
             logits_ith=fn(llama_cpp.llama_get_logits_ith), seq_rm=fn(llama_cpp.llama_memory_seq_rm),
             batch=ctypes.addressof(self._batch), pos=self._pos.ctypes.data, seq=self._seq.ctypes.data,
-            out=self._out.ctypes.data, embd=self._embd.ctypes.data,
+            out=self._out.ctypes.data, embd=0 if self._embd is None else self._embd.ctypes.data,
+            token=0 if self._tokens is None else self._tokens.ctypes.data,
             capture=0 if cfg.include_output else self._capture.user_data, n_embd=self.n_embd,
             n_vocab=self.n_vocab, n_batch=min(cfg.n_batch, cfg.n_ubatch), layer_start=cfg.layer_start,
             layer_end=cfg.layer_end, stage_index=cfg.stage_index, equal_split=self._equal_split,

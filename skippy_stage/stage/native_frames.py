@@ -27,7 +27,7 @@ from skippy_stage.stage import codec, framing
 from skippy_stage.stage.downstream import DownstreamClient
 from skippy_stage.stage.hops import TcpHop
 from skippy_stage.stage.returns import TcpReturn
-from skippy_stage.stage.steps import Reply, check_sampling
+from skippy_stage.stage.steps import Frame, Reply, Step, check_sampling
 from skippy_stage.v1 import stage_pb2 as pb
 
 try:
@@ -134,17 +134,72 @@ class NativeFrames:
         return codec.frame_from_pb(framing.parse(framing.Kind.HOP_REQUEST, body, framing.Kind.HOP_REQUEST))
 
 
-def for_stage(stage) -> NativeFrames | None:
-    """The native path for ``stage`` (a loaded Stage), or None where it cannot or may not run."""
+class NativeHead:
+    """The head's own plain decode steps in C: the step goes in encoded as the frame it becomes
+    (minus the rows), the head's layers run on its token ids, and the frame with the rows leaves
+    on the downstream link, in one call; the head's Python around a token's decode shrinks to the
+    scheduler's bookkeeping. Declined steps (prompts, speculation, anything the C path does not
+    prove plain) and the first frame (it opens the link) run the Python path."""
+
+    def __init__(self, stage, args: dict[str, object]) -> None:
+        self._path = _frames.FramePath(**args, hop_timeout_s=stage.timeouts.hop_s, routes=None, classify=classify,
+                                       stage_id=stage.config.stage_id.encode())
+        self._row_bytes = 4 * int(args["n_embd"])
+
+    def run(self, step: Step, downstream, *, relay: bool, timeout_s: float, tally: Tally) -> bool:
+        """Decode ``step`` here and send its frame down ``downstream`` (the edge the caller read
+        once); False (nothing done) when the Python path must. Raises as that path would: the
+        decode's error, or the broken link's."""
+        if not all(len(e.positions) == 1 and not e.rewind and e.prefix_id is None and e.fork_of is None
+                   for e in step.entries):
+            return False  # prompts and speculation: never plain, not worth encoding to find out
+        hop = downstream.hop if isinstance(downstream, DownstreamClient) else None
+        link = hop.plain_link if isinstance(hop, TcpHop) else None
+        if link is None:
+            return False
+        body = codec.frame_to_pb(Frame(step=step, relay=relay, timeout_s=timeout_s)).SerializeToString()
+        done = self._path.run(body, link.sock, link.send_lock, None)
+        if done is None:
+            return False
+        status, rc, compute_s, _, entries, _, _, marks, _ = done
+        for name, t_ns in zip(_MARKS, marks):
+            tracing.mark_at(name, t_ns)
+        tally.computes.append((compute_s, entries, entries, []))
+        tally.native += 1
+        if status == _DECODE_FAILED:
+            raise decode_error(rc, entries)
+        if status == _UNSENT:
+            raise hop.broke(link, "send failed")
+        tally.sent.append(("f32", entries * self._row_bytes))
+        return True
+
+
+def _native_args(stage) -> dict[str, object] | None:
     cfg = stage.config
-    if not cfg.native_frames or cfg.include_embeddings or cfg.hop_transport != "tcp":
+    if not cfg.native_frames or cfg.hop_transport != "tcp":
         return None
     if not cfg.include_output and cfg.wire_dtype != "f32":
         return None  # the native path writes f32 rows only
     if _frames is None:
         stage.log.warning("frames run in Python", reason=available())
         return None
-    args = stage.runtime.native_frame_args()
-    if args is None:
+    return stage.runtime.native_frame_args()
+
+
+def for_stage(stage) -> NativeFrames | None:
+    """The native path for frames from above at ``stage`` (a loaded Stage below the head), or None
+    where it cannot or may not run."""
+    if stage.config.include_embeddings:
         return None
-    return NativeFrames(stage, args)
+    args = _native_args(stage)
+    return None if args is None else NativeFrames(stage, args)
+
+
+def for_head(stage) -> NativeHead | None:
+    """The native path for the head's own steps (a loaded Stage with layer 0 and a downstream), or
+    None where it cannot or may not run."""
+    cfg = stage.config
+    if not cfg.include_embeddings or cfg.include_output:
+        return None
+    args = _native_args(stage)
+    return None if args is None else NativeHead(stage, args)

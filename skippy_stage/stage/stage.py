@@ -197,8 +197,10 @@ class Stage:
         self._pending_lock = threading.Lock()
         self._drop_retry = threading.Lock()
         self.return_path: TcpReturn | StreamReturn | LocalReturn | None = None
-        # The compiled path for plain frames below the head (set once loaded; None: Python only).
+        # The compiled paths (set once loaded; None: Python only): plain frames from above (below
+        # the head), and the head's own plain decode steps.
         self.native: native_frames.NativeFrames | None = None
+        self.native_head: native_frames.NativeHead | None = None
         if config.return_to is not None:
             if config.hop_transport == "tcp":
                 self.return_path = TcpReturn(config.return_to, credentials=self.credentials,
@@ -278,6 +280,7 @@ class Stage:
         )
         self.runtime = runtime
         self.native = native_frames.for_stage(self)
+        self.native_head = native_frames.for_head(self)
         m = self.metrics
         m.gauge_from("lanes_active", lambda: runtime.stats().active_sessions)
         m.gauge_from("lanes_idle", lambda: runtime.stats().idle_lanes)
@@ -519,12 +522,17 @@ class Stage:
         tally = Tally()
         try:
             with self.gate.passing():  # from compute to the frame's send, as for a frame from above
-                entries = self._prepare(step, tally)
-                results = self._compute(entries, tally)
                 downstream = self.downstream
+                if downstream is not None and self.native_head is not None and self._native_step(
+                        step, downstream, outcome, relay=relay, remaining_s=remaining_s, tally=tally):
+                    key, timeout, sessions = step.return_key, downstream.timeout_for(remaining_s), step.session_ids
+                    started = time.perf_counter()
+                else:
+                    entries = self._prepare(step, tally)
+                    results = self._compute(entries, tally)
                 if downstream is None:
                     outputs = outputs_from_results(results, self.config.stage_id)
-                else:
+                elif not key:
                     sessions = [e.session_id for e in entries]
                     key = self.returns.expect(outcome)
                     step.return_key = key
@@ -561,6 +569,30 @@ class Stage:
             self.metrics.record(tally)  # what a failed step computed (empty once recorded after the send)
             if key:
                 self.returns.forget(key)
+
+    def _native_step(self, step: Step, downstream, outcome: HopFuture, *, relay: bool, remaining_s: float | None,
+                     tally: Tally) -> bool:
+        """The head's step through the C path, sent on under a key ``outcome`` waits for; False
+        (nothing done, no key registered) when the Python path must run it. A failed send frees
+        the step's sessions here before the error goes up, as the Python path does. A step that
+        came with a return key of its own (a unary call's) is the Python path's: it checks it."""
+        if step.return_key:
+            return False
+        step.return_key = self.returns.expect(outcome)
+        try:
+            if self.native_head.run(step, downstream, relay=relay, timeout_s=downstream.timeout_for(remaining_s),
+                                    tally=tally):
+                return True
+        except DownstreamError as exc:
+            self._failed(exc, step.session_ids, step.request_id)
+            self.returns.forget(step.return_key)
+            raise
+        except SkippyError:
+            self.returns.forget(step.return_key)
+            raise
+        self.returns.forget(step.return_key)
+        step.return_key = ""
+        return False
 
     def _from_below(self, reply: Reply) -> None:
         """A message on the downstream edge's back channel (its reader thread): settle the step

@@ -1,4 +1,5 @@
-"""The compiled frame path of the stages below the head (``stage/native_frames.py``, ``stage/native/frames.c``).
+"""The compiled frame path (``stage/native_frames.py``, ``stage/native/frames.c``): of the stages below
+the head, and of the head's own decode steps.
 
 It stands in for the Python frame path on plain decode frames, so it must be indistinguishable
 from it: at the final stage the same token for the same frame, the same session state after it
@@ -307,6 +308,86 @@ def test_an_inner_send_that_fails_hands_the_frame_back_for_the_edge_to_be_report
         head.drop_session("h2")
 
 
+# -- the head's own steps ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def head_path(chain3):
+    return native_frames._frames.FramePath(**chain3.stages[0].native_frame_args(), hop_timeout_s=2.5, routes=None,
+                                           classify=native_frames.classify, stage_id=b"stage-head")
+
+
+def head_step(session: str, position: int, token: int, *, return_key: str = "k", timeout_s: float = 0.0,
+              with_frame: bool = False, **entry_fields) -> bytes:
+    """The head's step as it encodes it for the C path: the frame it sends, minus the rows."""
+    entry = dict(session_id=session, phase=pb.PHASE_DECODE, positions=[position], token_ids=[token],
+                 sample_last=True, sampling=sampling_to_pb(None), draws_before=position)
+    entry.update(entry_fields)
+    request = pb.IterationBatchRequest(request_id="step-1", entries=[pb.BatchEntry(**entry)], return_key=return_key)
+    if with_frame:
+        request.frame.payload = b"\0" * 4 * N_EMBD
+    return pb.HopRequest(request=request, timeout_s=timeout_s).SerializeToString()
+
+
+def test_the_heads_step_sends_the_python_paths_rows_under_the_key_its_wait_is_registered_with(
+        chain3, head_path, link):
+    head = chain3.stages[0]
+    tokens = head.tokenizer.tokenize(PROMPT)
+    for session in ("py", "nat"):
+        head_rows(head, session, range(len(tokens)), tokens)
+    pos, token = len(tokens), 42
+    try:
+        for step in range(8):
+            expected = head_rows(head, "py", [pos], [token])
+            sent = head_step("nat", pos, token, return_key=f"key-{step}", timeout_s=100.0 if step % 2 else 0.5)
+            done = head_path.run(sent, link.ours, link.lock, None)
+            assert done is not None and done[0] == 0, done
+            assert done[8] is None  # the head routes nothing: the key is the one its wait is under
+            kind, raw = link.head.receive()
+            forwarded = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
+            request = forwarded.request
+            got = np.frombuffer(request.frame.payload, dtype=np.float32).reshape(1, N_EMBD)
+            assert np.array_equal(got, expected)
+            assert [e.SerializeToString() for e in request.entries] == [
+                e.SerializeToString() for e in pb.HopRequest.FromString(sent).request.entries]
+            d = request.frame.descriptor
+            assert (d.dtype, d.producer_stage_index, d.layer_start, d.layer_end, d.width, d.token_count,
+                    d.sequence_count, d.payload_bytes) == (pb.DTYPE_F32, 0, 0, 10, N_EMBD, 1, 1, 4 * N_EMBD)
+            assert request.return_key == f"key-{step}" and request.request_id == "step-1"
+            assert forwarded.timeout_s == (2.5 if step % 2 else 0.5) and forwarded.sent_unix_ns > 0
+            pos, token = pos + 1, token + 1
+        assert head.lanes.lane_of("nat").n_tokens == head.lanes.lane_of("py").n_tokens == pos
+        assert head.lanes.lane_of("nat").batches == head.lanes.lane_of("py").batches
+    finally:
+        for session in ("py", "nat"):
+            head.drop_session(session)
+
+
+def test_head_steps_it_cannot_prove_plain_are_declined_and_touch_nothing(chain3, head_path, link):
+    head = chain3.stages[0]
+    tokens = head.tokenizer.tokenize(PROMPT)
+    head_rows(head, "s", range(len(tokens)), tokens)
+    pos = len(tokens)
+    try:
+        declined = {
+            "rows at the head": head_step("s", pos, 7, with_frame=True),
+            "no return key": head_step("s", pos, 7, return_key=""),
+            "no token": head_step("s", pos, 7, token_ids=[]),
+            "two positions": head_step("s", pos, 7, positions=[pos, pos + 1], token_ids=[7, 8]),
+            "a token outside the vocabulary": head_step("s", pos, 1 << 20),
+            "a position the session is not at": head_step("s", pos + 1, 7),
+            "a session the head does not hold": head_step("ghost", pos, 7),
+            "a rewind": head_step("s", pos, 7, rewind=True),
+            "invalid sampling": head_step("s", pos, 7, sampling=pb.SamplingParams(temperature=-1.0)),
+        }
+        for why, frame in declined.items():
+            assert head_path.run(frame, link.ours, link.lock, None) is None, why
+        assert head.lanes.lane_of("s").n_tokens == pos
+        assert not link.pending()
+    finally:
+        head.drop_session("s")
+
+
 # -- on real serve processes ---------------------------------------------------------------------
 
 
@@ -333,8 +414,10 @@ def test_a_pipelines_greedy_decode_frames_run_natively_with_the_unsplit_models_t
     pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=ports)
     text, last = grpc_generate(pipeline.head_endpoint, PROMPT, 24)
     assert text == reference
-    # Every decode step but the prompt's (several positions: Python) ran natively.
+    # Every decode step but the prompt's (several positions: Python) ran natively, at the head (its
+    # own steps, from the second on: the first frame opens the link) and below it.
     assert settled(ports[1], last.completion_tokens - 1) >= last.completion_tokens - 1
+    assert settled(ports[0], last.completion_tokens - 2) >= last.completion_tokens - 2
     assert_no_active_sessions(pipeline.configs)
 
     # Seeded sampling and penalties are the Python path's: the count stays; the text is the one a
@@ -359,6 +442,7 @@ def test_a_three_stage_pipelines_inner_and_final_stages_both_run_its_decode_fram
     assert text == reference
     for port in ports[1:]:
         assert settled(port, last.completion_tokens - 1) >= last.completion_tokens - 1
+    assert settled(ports[0], last.completion_tokens - 2) >= last.completion_tokens - 2
     assert_no_active_sessions(pipeline.configs)
 
 

@@ -1,6 +1,8 @@
 /* A stage's frame path without the interpreter, for the frames it can prove plain: a decode
  * frame's bytes in; at the final stage its sampled tokens out on the head's return link, at an
- * inner stage the next frame out on the downstream link.
+ * inner stage the next frame out on the downstream link. The head runs its own plain decode steps
+ * through it too: the step encoded as the frame it sends, minus the rows (token ids in), the rows
+ * it computes added on the way out, under the return key its wait is registered with.
  *
  * Why: on co-located stages every Python bytecode a frame runs after a llama_decode runs on caches
  * that decode just evicted (3-10x its hot cost, measured); a stage's frame path took ~300 us a
@@ -241,6 +243,7 @@ static int parse_descriptor(const uint8_t *s, size_t n, desc_t *d) {
 typedef struct {
     PyObject_HEAD
     int final;                        /* samples and returns to the head; else forwards */
+    int head;                         /* the first stage: token ids in (the head's own steps), no rows */
     struct skippy_capture *capture;   /* inner stage: the boundary rows land in capture->dst */
     int equal_split;                  /* llama.cpp splits a multi-sequence batch by sequence */
     int stage_index, layer_end;
@@ -251,7 +254,7 @@ typedef struct {
     logits_ith_fn logits_ith;
     seq_rm_fn seq_rm;
     batch_t batch;
-    int32_t *pos, *seq;
+    int32_t *pos, *seq, *token;
     int8_t *out;
     float *embd;
     int n_embd, n_vocab, n_batch, layer_start;
@@ -262,6 +265,15 @@ typedef struct {
     PyObject *classify;       /* callable(bytes) -> that kind, for a settings message not seen yet */
     PyObject *stage_id;       /* bytes */
 } FramePath;
+
+static int distinct_sessions(const frame_t *fr) {
+    for (int i = 0; i < fr->n; i++)
+        for (int j = 0; j < i; j++)
+            if (fr->entries[i].sid_len == fr->entries[j].sid_len
+                && !memcmp(fr->entries[i].sid, fr->entries[j].sid, fr->entries[i].sid_len))
+                return 0;
+    return 1;
+}
 
 static int parse_frame(FramePath *self, const uint8_t *data, size_t size, frame_t *fr) {
     rd_t r = {data, data + size};
@@ -319,7 +331,14 @@ static int parse_frame(FramePath *self, const uint8_t *data, size_t size, frame_
             return 0;
         }
     }
-    if (!seen_frame || (self->final && !seen_key) || fr->n == 0) return 0;
+    if (fr->n == 0) return 0;
+    if (self->head) { /* the head's own step: token ids, no rows; the return key its wait is under */
+        if (seen_frame || !seen_key || fr->key_len == 0) return 0;
+        for (int i = 0; i < fr->n; i++)
+            if (fr->entries[i].n_tok != 1) return 0;
+        return distinct_sessions(fr);
+    }
+    if (!seen_frame || (self->final && !seen_key)) return 0;
     rd_t a = {frame, frame + frame_len};
     desc_t d;
     int seen_desc = 0, seen_payload = 0;
@@ -343,12 +362,7 @@ static int parse_frame(FramePath *self, const uint8_t *data, size_t size, frame_
         || d.layer_start >= d.layer_end || d.width != self->n_embd || d.token_count != (int64_t)rows
         || d.sequence_count != (int64_t)rows || d.payload_bytes != (int64_t)want || fr->payload_len != want)
         return 0;
-    for (int i = 0; i < fr->n; i++)
-        for (int j = 0; j < i; j++)
-            if (fr->entries[i].sid_len == fr->entries[j].sid_len
-                && !memcmp(fr->entries[i].sid, fr->entries[j].sid, fr->entries[i].sid_len))
-                return 0;
-    return 1;
+    return distinct_sessions(fr);
 }
 
 /* -- helpers on Python objects ----------------------------------------------------------------- */
@@ -659,7 +673,7 @@ static double forward_timeout(const FramePath *self, double remaining) {
  *   disagrees): the KV was cut back, nothing advanced. latency_s < 0: the frame carried no send
  *   time. marks: wall-clock ns when the frame was parsed, llama_decode started, the outputs were
  *   ready, the send returned (0: not reached). key: the return key an inner stage routed (None at
- *   the final stage). */
+ *   the final stage and the head). */
 static PyObject *FramePath_run(FramePath *self, PyObject *args) {
     Py_buffer body;
     PyObject *sock, *send_lock, *sink;
@@ -678,7 +692,7 @@ static PyObject *FramePath_run(FramePath *self, PyObject *args) {
     uint64_t arrived = now_unix_ns();
     double latency = fr->sent_ns ? (arrived > fr->sent_ns ? (double)(arrived - fr->sent_ns) * 1e-9 : 0.0) : -1.0;
     const float *rows = (const float *)fr->payload;
-    for (size_t k = 0, m = (size_t)fr->n * (size_t)self->n_embd; k < m; k++) {
+    for (size_t k = 0, m = self->head ? 0 : (size_t)fr->n * (size_t)self->n_embd; k < m; k++) {
         float x;
         memcpy(&x, rows + k, sizeof x);
         if (!isfinite(x)) goto decline;
@@ -732,8 +746,11 @@ static PyObject *FramePath_run(FramePath *self, PyObject *args) {
         self->pos[r] = (int32_t)e->pos;
         self->seq[r] = e->lane;
         self->out[r] = 1;
-        memcpy(self->embd + (size_t)r * self->n_embd, rows + (size_t)order[r] * self->n_embd,
-               sizeof(float) * (size_t)self->n_embd);
+        if (self->head)
+            self->token[r] = (int32_t)e->token;
+        else
+            memcpy(self->embd + (size_t)r * self->n_embd, rows + (size_t)order[r] * self->n_embd,
+                   sizeof(float) * (size_t)self->n_embd);
     }
     if (!self->final) {
         forward_rows = PyMem_Malloc(sizeof(float) * (size_t)fr->n * (size_t)self->n_embd);
@@ -796,6 +813,9 @@ static PyObject *FramePath_run(FramePath *self, PyObject *args) {
     size_t len;
     if (self->final) {
         len = encode_returned(self, fr, &msg);
+    } else if (self->head) { /* its own step: the key the head waits under, the timeout it chose */
+        len = encode_forward(self, fr, (const char *)fr->key, fr->key_len, forward_timeout(self, fr->timeout_s),
+                             forward_rows, &msg);
     } else {
         /* Replies from below for this step come back under the key routed here (Stage.routes). */
         key_obj = PyObject_CallMethod(self->routes, "claim", "s#OK", (const char *)fr->key, (Py_ssize_t)fr->key_len,
@@ -868,13 +888,14 @@ done:
 
 static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"ctx", "mem", "decode", "logits_ith", "seq_rm", "batch", "pos", "seq", "out", "embd",
-                            "capture", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end", "stage_index",
+                            "capture", "token", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end", "stage_index",
                             "equal_split", "cells_per_lane", "kv_pool_tokens", "hop_timeout_s", "owner",
                             "compute_lock", "lanes_lock", "sessions", "resident", "histories", "samplers", "routes",
                             "classify", "stage_id", NULL};
-    unsigned long long ctx, mem, decode, logits_ith, seq_rm, batch, pos, seq, out, embd, capture;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKKKKKKiiiiiiplldOOOO!O!O!O!OOS", names, &ctx, &mem, &decode,
-                                     &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &capture, &self->n_embd,
+    unsigned long long ctx, mem, decode, logits_ith, seq_rm, batch, pos, seq, out, embd, capture, token;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKKKKKKKiiiiiiplldOOOO!O!O!O!OOS", names, &ctx, &mem, &decode,
+                                     &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &capture, &token,
+                                     &self->n_embd,
                                      &self->n_vocab, &self->n_batch, &self->layer_start, &self->layer_end,
                                      &self->stage_index, &self->equal_split, &self->cells_per_lane,
                                      &self->kv_pool_tokens, &self->hop_timeout_s, &self->owner, &self->compute_lock,
@@ -882,15 +903,19 @@ static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
                                      &PyDict_Type, &self->histories, &PyDict_Type, &self->samplers, &self->routes,
                                      &self->classify, &self->stage_id))
         return -1;
-    if (!ctx || !mem || !decode || !seq_rm || !batch || !pos || !seq || !out || !embd || self->n_embd <= 0
-        || self->n_vocab <= 0 || self->n_batch <= 0) {
+    if (!ctx || !mem || !decode || !seq_rm || !batch || !pos || !seq || !out || !(embd || token) || (embd && token)
+        || self->n_embd <= 0 || self->n_vocab <= 0 || self->n_batch <= 0) {
         PyErr_SetString(PyExc_ValueError, "FramePath needs every pointer and positive sizes");
         return -1;
     }
-    /* A final stage samples (logits_ith) and has no capture; an inner one captures and routes. */
+    /* A final stage samples (logits_ith) and has no capture; an inner one captures and routes; the
+     * head (token ids in) captures and sends its own steps, whose keys it chose. */
     self->final = capture == 0;
-    if ((self->final && !logits_ith) || (!self->final && self->routes == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "FramePath: a final stage needs logits_ith, an inner one routes");
+    self->head = token != 0;
+    if ((self->final && !logits_ith) || (self->head && self->final)
+        || (!self->final && !self->head && self->routes == Py_None)) {
+        PyErr_SetString(PyExc_ValueError,
+                         "FramePath: a final stage needs logits_ith, an inner one routes, the head captures");
         return -1;
     }
     self->ctx = (void *)(uintptr_t)ctx;
@@ -903,6 +928,7 @@ static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     self->seq = (int32_t *)(uintptr_t)seq;
     self->out = (int8_t *)(uintptr_t)out;
     self->embd = (float *)(uintptr_t)embd;
+    self->token = (int32_t *)(uintptr_t)token;
     self->capture = (struct skippy_capture *)(uintptr_t)capture;
     PyObject *objs[] = {self->owner, self->compute_lock, self->lanes_lock, self->sessions, self->resident,
                         self->histories, self->samplers, self->routes, self->classify, self->stage_id};
