@@ -14,9 +14,12 @@ import io
 import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -436,7 +439,60 @@ def hop_latency_median_us(before: list[dict], after: list[dict]) -> float:
     return lower_le * 1e6
 
 
-def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float], list[float], float]:
+def quiet_client_loop() -> None:
+    """The quiet client's process: lowest CPU priority, then one Generate call per JSON line
+    read (endpoint, prompt, max_tokens), each answered by a JSON line (ok, figures or error)."""
+    os.nice(19)
+    replies, sys.stdout = sys.stdout, sys.stderr  # nothing but replies on the pipe
+    for line in sys.stdin:
+        endpoint, prompt, max_tokens = json.loads(line)
+        try:
+            answer = [True, generate(endpoint, prompt, max_tokens=max_tokens, temperature=0.0, seed=None,
+                                     chat=False, out=io.StringIO())]
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which raises it
+            answer = [False, f"{type(exc).__name__}: {exc}"]
+        replies.write(json.dumps(answer) + "\n")
+        replies.flush()
+
+
+class QuietClient:
+    """The single-stream decode figures' Generate client, in a process of its own at nice 19.
+
+    A client is usually on another host. On this one it shares the stages' cores, and its work
+    for every streamed token (gRPC's receive, Python's loop) preempts whichever stage is decoding
+    at that moment, which the unsplit model, measured with no client at all, never pays. At the
+    lowest priority it runs when a core would otherwise idle; its figures can only come out
+    later, never earlier. bench measures the difference too (``client_priority_2_stage``).
+    """
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from skippy_stage.cli.bench import quiet_client_loop; quiet_client_loop()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def generate(self, endpoint: str, prompt: str, max_tokens: int) -> dict[str, float]:
+        self._proc.stdin.write(json.dumps([endpoint, prompt, max_tokens]) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the bench's client exited (code {self._proc.wait()})")
+        ok, figures = json.loads(line)
+        if not ok:
+            raise RuntimeError(f"the bench's client failed: {figures}")
+        return figures
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc.stdout.close()
+
+
+def _decode_ms(pipeline: _Pipeline,
+               client: QuietClient | None = None) -> tuple[float, list[float], list[float], list[float], float]:
     """Single-stream ms/token, each stage's CPU ms per token over the same run, the hop
     overhead from the stages' histograms, each stage's compute ms per batch, and the median
     hop latency (send -> compute starts at the next stage).
@@ -444,11 +500,12 @@ def _decode_ms(pipeline: _Pipeline) -> tuple[float, list[float], list[float], li
     A stage computes about a third of the model per token; CPU far above that means its
     threads spin while it waits, stealing cores from the stage that has work.
     """
-    pipeline.generate(PROMPT, 8)  # warm the path
+    run = pipeline.generate if client is None else partial(client.generate, pipeline.endpoint)
+    run(PROMPT, 8)  # warm the path
     pids = [p.pid for p in pipeline.local.procs]
     before = [_cpu_seconds(pid) for pid in pids]
     hist_before = [_histogram_sums(p) for p in pipeline.metrics_ports]
-    figures = pipeline.generate(PROMPT, DECODE_TOKENS + 1)
+    figures = run(PROMPT, DECODE_TOKENS + 1)
     hist_after = [_histogram_sums(p) for p in pipeline.metrics_ports]
     after = [_cpu_seconds(pid) for pid in pids]
     n = figures["completion_tokens"]
@@ -490,6 +547,9 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["stream_interval_2_stage"] = {"interval_ms": STREAM_INTERVAL_MS,
                                              "each_token_ms_per_token": streamed["2-each"]["ms"],
                                              "interval_ms_per_token": streamed["2-interval"]["ms"],
+                                             "single_process_ms_per_token": streamed["single"]["ms"]}
+        report["client_priority_2_stage"] = {"quiet_ms_per_token": streamed["2-each"]["ms"],
+                                             "local_ms_per_token": streamed["2-local"]["ms"],
                                              "single_process_ms_per_token": streamed["single"]["ms"]}
         report["single_process_ms_per_token"] = decode["single"]["ms"]
         pipelines_ms = {n: decode[n]["ms"] for n in ("2", "3")}
@@ -680,18 +740,23 @@ COMPARISON_CONTENDERS = {"3-tcp": (THREE, "direct", "tcp"), "3-relay": (THREE, "
 STREAM_INTERVAL_MS = 20.0
 STREAM_CONTENDERS = {"2-each": ([(0, 15), (15, 30)], "direct", "tcp"),
                      "2-interval": ([(0, 15), (15, 30)], "direct", "tcp", True,
-                                    {"stream_interval_ms": STREAM_INTERVAL_MS})}
+                                    {"stream_interval_ms": STREAM_INTERVAL_MS}),
+                     # The client in the bench's own process at normal priority (the others: QuietClient).
+                     "2-local": ([(0, 15), (15, 30)], "direct", "tcp", True, None, "local")}
 
 
 def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
                         contenders: dict[str, tuple]) -> dict[str, dict]:
     """Single-stream decode of the unsplit model and of ``contenders`` (name: layer ranges,
-    return path, transport[, native frames[, other config]]), in rounds.
+    return path, transport[, native frames[, other config[, "local": the client in this process]]]),
+    in rounds; the pipelines' client is a QuietClient unless a contender says "local".
 
     Everything is loaded at once and each round runs each contender once, so a slow moment of a
     noisy machine hits all of them alike; the figures are the medians over the rounds.
     """
     pipelines: dict[str, _Pipeline] = {}
+    clients: dict[str, QuietClient | None] = {}
+    quiet = QuietClient()
     single = SingleDecoder(model, cores)
     runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
     try:
@@ -701,12 +766,14 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
             pipelines[name] = _Pipeline(model, ranges, sub, cache_dir, return_path=return_path, transport=transport,
                                         native_frames=more[0] if more else True,
                                         extra=more[1] if len(more) > 1 else None)
+            clients[name] = None if more[2:] == ["local"] else quiet
         single.ms_per_token()  # warm
         for _ in range(DECODE_ROUNDS):
             runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
             for name, pipeline in pipelines.items():
-                runs[name].append(_decode_ms(pipeline))
+                runs[name].append(_decode_ms(pipeline, clients[name]))
     finally:
+        quiet.close()
         single.close()
         for pipeline in pipelines.values():
             pipeline.stop()
@@ -793,6 +860,11 @@ def format_table(report: dict[str, object]) -> str:
                  f"({si['single_process_ms_per_token'] / si['each_token_ms_per_token']:.2f}); tokens within "
                  f"{si['interval_ms']:.0f} ms sent together (stream_interval_ms): {si['interval_ms_per_token']:.2f} "
                  f"ms/token ({si['single_process_ms_per_token'] / si['interval_ms_per_token']:.2f})")
+    cp = r["client_priority_2_stage"]
+    lines.append(f"2 stages, the client in the bench's process at normal priority: {cp['local_ms_per_token']:.2f} "
+                 f"ms/token ({cp['single_process_ms_per_token'] / cp['local_ms_per_token']:.2f}); in its own at "
+                 f"nice 19 (every decode figure): {cp['quiet_ms_per_token']:.2f} ms/token "
+                 f"({cp['single_process_ms_per_token'] / cp['quiet_ms_per_token']:.2f})")
     fp = r["frame_path_comparison_3_stage"]
     lines.append(f"3 stages, frames below the head in Python: {fp['python_ms_per_token']:.2f} ms/token; "
                  f"in C where plain: {fp['native_ms_per_token']:.2f} ms/token"

@@ -59,6 +59,12 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert report["native_frames"] is True
     assert report["stream_interval_2_stage"]["interval_ms"] > 0
     assert all(v > 0 for v in report["stream_interval_2_stage"].values())
+    # The decode figures' client runs in its own process at nice 19; the same pipeline with the
+    # client in bench's process at normal priority is measured beside it.
+    assert set(report["client_priority_2_stage"]) == {"quiet_ms_per_token", "local_ms_per_token",
+                                                      "single_process_ms_per_token"}
+    assert all(v > 0 for v in report["client_priority_2_stage"].values())
+    assert "client in the bench's process at normal priority" in run.stdout
     assert set(report["return_path_comparison_3_stage"]) == {"relay_ms_per_token", "direct_ms_per_token"}
     assert all(v > 0 for v in report["return_path_comparison_3_stage"].values())
     assert set(report["hop_floor_us"]) == {"grpc_stream_round_trip_us", "tcp_frame_round_trip_us",
