@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import queue
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from skippy_stage.head.scheduler import (
     Scheduler,
     SchedulerLimits,
     Task,
+    Tokens,
 )
 from skippy_stage.model.runtime import StageRuntime, TokenLogprob
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, parse_grammar
@@ -159,6 +159,7 @@ class Generator:
                 n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, max_inflight=cfg.max_inflight,
                 max_queue=cfg.admission_queue, max_queue_wait_s=cfg.admission_wait_s,
                 step_timeout_s=stage.timeouts.step_s, recovery_wait_s=cfg.recovery_wait_s,
+                stream_interval_s=cfg.stream_interval_ms / 1e3,
             ),
             chain_ready=lambda: stage.ready,
             # The previous step's tokens go to their handlers once this step's frame has left.
@@ -282,21 +283,11 @@ class Generator:
         pending_ids: list[int] = []
         pending_lps: list[TokenLogprob] = []
         reason = FINISH_LENGTH
-        # stream_interval_ms: text held back until ``due`` (None: nothing held), so a message goes
-        # out at most every ``interval`` seconds while tokens come faster.
-        interval = self.stage.config.stream_interval_ms / 1e3
-        held, due, last_sent = "", None, float("-inf")
         try:
             while True:
                 try:
-                    wait = _POLL_S if due is None else min(_POLL_S, max(0.0, due - time.monotonic()))
-                    event = task.events.get(timeout=wait)
+                    event = task.events.get(timeout=_POLL_S)
                 except queue.Empty:
-                    if due is not None and time.monotonic() >= due:
-                        yield Piece(held, pending_ids, pending_lps)
-                        held, due, last_sent = "", None, time.monotonic()
-                        pending_ids, pending_lps = [], []
-                        continue
                     remaining = remaining_s()
                     if not is_active() or (remaining is not None and remaining <= 0):
                         slog.info("generation abandoned by the client", completion_tokens=completion)
@@ -310,27 +301,28 @@ class Generator:
                 if isinstance(event, PromptLogprobs):
                     yield event
                     continue
-                completion += 1
-                if isinstance(event, Sampled):
-                    pending_lps.append(event.logprob)
-                    event = event.token
-                pending_ids.append(event)
-                text = held + scanner.feed(decoder.decode(self.runtime.tokenizer.token_bytes(event)))
-                held = ""
+                # Several at once under stream_interval_ms (the scheduler held them): one message.
+                text = ""
+                for token in event.items if isinstance(event, Tokens) else (event,):
+                    completion += 1
+                    if isinstance(token, Sampled):
+                        pending_lps.append(token.logprob)
+                        token = token.token
+                    pending_ids.append(token)
+                    text += scanner.feed(decoder.decode(self.runtime.tokenizer.token_bytes(token)))
+                    if scanner.stopped:
+                        break
                 if scanner.stopped:
                     reason = FINISH_STOP
                     if text:
                         yield Piece(text, pending_ids, pending_lps)
                     pending_ids, pending_lps = [], []
                     break
-                if text and interval and time.monotonic() < last_sent + interval:
-                    held, due = text, last_sent + interval
-                elif text:
+                if text:
                     yield Piece(text, pending_ids, pending_lps)
-                    due, last_sent = None, time.monotonic()
                     pending_ids, pending_lps = [], []
             if not scanner.stopped:
-                tail = held + scanner.feed(decoder.decode(b"", final=True))
+                tail = scanner.feed(decoder.decode(b"", final=True))
                 if not scanner.stopped:
                     tail += scanner.flush()  # no stop string can complete any more
                 if tail or pending_ids:

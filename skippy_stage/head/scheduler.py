@@ -70,6 +70,13 @@ class Sampled:
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """Several sampled tokens delivered at once (``stream_interval_s``), each an int or a Sampled."""
+
+    items: tuple[int | Sampled, ...]
+
+
+@dataclass(frozen=True)
 class PromptLogprobs:
     """The prompt's tokens with their log-probabilities (None for the first: nothing precedes it),
     before the first sampled token (OpenAI's echo with logprobs)."""
@@ -129,6 +136,7 @@ class Task:
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
+    delivered_at: float = float("-inf")  # when its handler was last handed tokens
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -164,6 +172,8 @@ class SchedulerLimits:
     # How long a session whose chain failed waits for it to come back before failing;
     # 0 disables recovery.
     recovery_wait_s: float = 15.0
+    # Tokens sampled within this long of a task's last delivery wait for the next (0: each at once).
+    stream_interval_s: float = 0.0
 
 
 StepFn = Callable[[Step, float], Outputs]
@@ -380,6 +390,7 @@ class Scheduler:
 
     def _fail(self, task: Task, error: SkippyError) -> None:
         task.failed = True
+        self._deliver(task)
         task.events.put(Failed(error))
         task.cancel()
 
@@ -545,12 +556,50 @@ class Scheduler:
         pending.append((task, token))
 
     def flush_events(self) -> None:
-        """Deliver the tokens this worker thread held back (see ``_emit``)."""
+        """Deliver the tokens this worker thread held back (see ``_emit``): each task's together,
+        one event. With ``stream_interval_s``, a task's tokens wait (here, so its handler is not
+        woken for them) until that long after its last delivery; its end delivers them at once."""
         pending = getattr(self._local, "pending", None)
-        if pending:
-            for task, token in pending:
+        if not pending:
+            return
+        interval = self.limits.stream_interval_s
+        now = time.monotonic() if interval else 0.0
+        held = []
+        by_task: dict[int, tuple[Task, list]] = {}
+        for task, token in pending:
+            by_task.setdefault(id(task), (task, []))[1].append(token)
+        for task, tokens in by_task.values():
+            if interval and now < task.delivered_at + interval and not task.cancelled:
+                held.extend((task, token) for token in tokens)
+                continue
+            self._put(task, tokens, now)
+        pending[:] = held
+
+    def _deliver(self, task: Task) -> None:
+        """Hand ``task``'s held tokens to its handler now (it ends or fails)."""
+        pending = getattr(self._local, "pending", None)
+        if not pending:
+            return
+        mine = [token for t, token in pending if t is task]
+        if mine:
+            pending[:] = [(t, token) for t, token in pending if t is not task]
+            self._put(task, mine, time.monotonic())
+
+    @staticmethod
+    def _put(task: Task, tokens: list, now: float) -> None:
+        """One event for the handler: prompt logprobs stay events of their own, ahead of tokens."""
+        run: list = []
+        for token in tokens:
+            if isinstance(token, PromptLogprobs):
+                if run:
+                    task.events.put(run[0] if len(run) == 1 else Tokens(tuple(run)))
+                    run = []
                 task.events.put(token)
-            pending.clear()
+            else:
+                run.append(token)
+        if run:
+            task.events.put(run[0] if len(run) == 1 else Tokens(tuple(run)))
+        task.delivered_at = now
 
     def _run_step(self, batch: list[Task]) -> None:
         self._recover(batch)
@@ -665,6 +714,7 @@ class Scheduler:
         """One sampled token of ``task``: emit it, or end the task; False once it ended."""
         if self._is_eog(token):
             self.flush_events()
+            self._deliver(task)
             task.events.put(End(FINISH_STOP))
             task.cancel()
             return False
@@ -678,6 +728,7 @@ class Scheduler:
         position = len(task.prompt) + task.generated - 1
         if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
             self.flush_events()
+            self._deliver(task)
             task.events.put(End(FINISH_LENGTH))
             task.cancel()
             return False

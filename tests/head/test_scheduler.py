@@ -19,7 +19,7 @@ import pytest
 
 from skippy_stage.errors import CapacityError, DownstreamError, InvalidFieldError, PrefixMissError, SkippyError
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.scheduler import End, Failed, PromptLogprobs, Scheduler, SchedulerLimits, Task
+from skippy_stage.head.scheduler import End, Failed, PromptLogprobs, Scheduler, SchedulerLimits, Task, Tokens
 from skippy_stage.model.runtime import TokenLogprob
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
@@ -256,6 +256,53 @@ def test_a_task_ends_with_length_when_its_session_fills_max_context(make_schedul
     assert outcome(task) == (expected_tokens(task, 3), End("length"))
     chain.wait_dropped("x")
     assert max(max(e.positions) for r in chain.requests for e in r.entries) < 8
+
+
+def deliveries(task: Task) -> tuple[list[list[int]], End | Failed]:
+    """The task's tokens as its handler was handed them (one list a wake), and the end."""
+    handed: list[list[int]] = []
+    while True:
+        event = task.events.get(timeout=WAIT_S)
+        if isinstance(event, (End, Failed)):
+            return handed, event
+        handed.append(list(event.items) if isinstance(event, Tokens) else [event])
+
+
+def test_a_stream_interval_hands_tokens_over_together_the_first_alone_and_all_before_the_end(make_scheduler):
+    """stream_interval_s: tokens within the interval of the task's last delivery wait in the
+    scheduler (its handler is not woken for them) and go over together; the end delivers the rest."""
+    chain = FakeChain(delay_s=0.005)
+    scheduler = make_scheduler(chain, stream_interval_s=0.05)
+    task = make_task("x", 5, 40)
+    scheduler.submit(task)
+    handed, end = deliveries(task)
+    assert end == End("length")
+    assert [t for batch in handed for t in batch] == expected_tokens(task)
+    assert handed[0] == expected_tokens(task, 1)  # the first is not held
+    assert len(handed) < 40 / 3, [len(b) for b in handed]  # ~5 ms a step in 50 ms windows
+
+
+def test_held_tokens_reach_the_handler_before_a_stop_or_a_failure(make_scheduler):
+    chain = FakeChain(eog_at={"x": 5 + 6})
+    scheduler = make_scheduler(chain, stream_interval_s=10.0)  # nothing but an end sends them
+    task = make_task("x", 5, 20)
+    scheduler.submit(task)
+    handed, end = deliveries(task)
+    assert (handed, end) == ([expected_tokens(task, 1), expected_tokens(task, 6)[1:]], End("stop"))
+
+    error = DownstreamError("stage stage-2 failed", stage_id="stage-2", code_name="INTERNAL")
+    failing = FakeChain(fail=lambda request: error if len(chain_steps(failing)) > 4 else None)
+    scheduler = make_scheduler(failing, stream_interval_s=10.0)
+    task = make_task("y", 5, 20)
+    scheduler.submit(task)
+    handed, end = deliveries(task)
+    assert end == Failed(error)
+    assert [t for batch in handed for t in batch] == expected_tokens(task, 4)
+
+
+def chain_steps(chain: FakeChain) -> list[Step]:
+    with chain._lock:
+        return list(chain.requests)
 
 
 # -- admission -----------------------------------------------------------------------
