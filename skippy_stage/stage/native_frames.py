@@ -1,4 +1,5 @@
-"""A stage's frame path in C (``native/frames.c``), for the frames it can prove plain.
+"""A stage's frame path in C (``native/frames.c``), for the frames it can prove plain; and the
+head's own plain decode steps through the same code (``NativeHead``).
 
 A plain decode frame — one position per entry of a session already bound here, f32 hidden rows,
 no rewind, prefix or fork — costs a stage's Python frame path ~300 us on co-located stages (its

@@ -523,9 +523,10 @@ class Stage:
         try:
             with self.gate.passing():  # from compute to the frame's send, as for a frame from above
                 downstream = self.downstream
-                if downstream is not None and self.native_head is not None and self._native_step(
-                        step, downstream, outcome, relay=relay, remaining_s=remaining_s, tally=tally):
-                    key, timeout, sessions = step.return_key, downstream.timeout_for(remaining_s), step.session_ids
+                timeout = downstream.timeout_for(remaining_s) if downstream is not None else 0.0
+                if downstream is not None and self._native_step(step, downstream, outcome, relay=relay,
+                                                                timeout_s=timeout, tally=tally):
+                    key, sessions = step.return_key, step.session_ids
                     started = time.perf_counter()
                 else:
                     entries = self._prepare(step, tally)
@@ -536,7 +537,6 @@ class Stage:
                     sessions = [e.session_id for e in entries]
                     key = self.returns.expect(outcome)
                     step.return_key = key
-                    timeout = downstream.timeout_for(remaining_s)
                     started = time.perf_counter()
                     try:
                         self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None,
@@ -570,18 +570,17 @@ class Stage:
             if key:
                 self.returns.forget(key)
 
-    def _native_step(self, step: Step, downstream, outcome: HopFuture, *, relay: bool, remaining_s: float | None,
+    def _native_step(self, step: Step, downstream, outcome: HopFuture, *, relay: bool, timeout_s: float,
                      tally: Tally) -> bool:
         """The head's step through the C path, sent on under a key ``outcome`` waits for; False
         (nothing done, no key registered) when the Python path must run it. A failed send frees
         the step's sessions here before the error goes up, as the Python path does. A step that
         came with a return key of its own (a unary call's) is the Python path's: it checks it."""
-        if step.return_key:
+        if self.native_head is None or step.return_key:
             return False
         step.return_key = self.returns.expect(outcome)
         try:
-            if self.native_head.run(step, downstream, relay=relay, timeout_s=downstream.timeout_for(remaining_s),
-                                    tally=tally):
+            if self.native_head.run(step, downstream, relay=relay, timeout_s=timeout_s, tally=tally):
                 return True
         except DownstreamError as exc:
             self._failed(exc, step.session_ids, step.request_id)

@@ -888,15 +888,14 @@ done:
 
 static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"ctx", "mem", "decode", "logits_ith", "seq_rm", "batch", "pos", "seq", "out", "embd",
-                            "capture", "token", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end", "stage_index",
-                            "equal_split", "cells_per_lane", "kv_pool_tokens", "hop_timeout_s", "owner",
+                            "capture", "token", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end",
+                            "stage_index", "equal_split", "cells_per_lane", "kv_pool_tokens", "hop_timeout_s", "owner",
                             "compute_lock", "lanes_lock", "sessions", "resident", "histories", "samplers", "routes",
                             "classify", "stage_id", NULL};
     unsigned long long ctx, mem, decode, logits_ith, seq_rm, batch, pos, seq, out, embd, capture, token;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKKKKKKKiiiiiiplldOOOO!O!O!O!OOS", names, &ctx, &mem, &decode,
                                      &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &capture, &token,
-                                     &self->n_embd,
-                                     &self->n_vocab, &self->n_batch, &self->layer_start, &self->layer_end,
+                                     &self->n_embd, &self->n_vocab, &self->n_batch, &self->layer_start, &self->layer_end,
                                      &self->stage_index, &self->equal_split, &self->cells_per_lane,
                                      &self->kv_pool_tokens, &self->hop_timeout_s, &self->owner, &self->compute_lock,
                                      &self->lanes_lock, &PyDict_Type, &self->sessions, &PyDict_Type, &self->resident,
