@@ -10,10 +10,12 @@ ratios mean anything.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -752,7 +754,8 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
     in rounds; the pipelines' client is a QuietClient unless a contender says "local".
 
     Everything is loaded at once and each round runs each contender once, so a slow moment of a
-    noisy machine hits all of them alike; the figures are the medians over the rounds.
+    noisy machine hits all of them alike; the figures are the medians over the rounds. The
+    pipelines not being measured are frozen meanwhile (``_awake``).
     """
     pipelines: dict[str, _Pipeline] = {}
     clients: dict[str, QuietClient | None] = {}
@@ -767,11 +770,14 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
                                         native_frames=more[0] if more else True,
                                         extra=more[1] if len(more) > 1 else None)
             clients[name] = None if more[2:] == ["local"] else quiet
-        single.ms_per_token()  # warm
+        with _awake(pipelines.values(), None):
+            single.ms_per_token()  # warm
         for _ in range(DECODE_ROUNDS):
-            runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
+            with _awake(pipelines.values(), None):
+                runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
             for name, pipeline in pipelines.items():
-                runs[name].append(_decode_ms(pipeline, clients[name]))
+                with _awake(pipelines.values(), pipeline):
+                    runs[name].append(_decode_ms(pipeline, clients[name]))
     finally:
         quiet.close()
         single.close()
@@ -788,6 +794,25 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
                      if name != "single" else [],
                      "hop_latency": float(np.median([v[4] for v in values]))}
     return out
+
+
+@contextlib.contextmanager
+def _awake(pipelines, measured: _Pipeline | None):
+    """Only ``measured``'s stages run (None: no pipeline's): the others are stopped (SIGSTOP)
+    until the block ends. An idle stage process still wakes ~100 times a second (gRPC's thread
+    pool, health probes), on the cores the measured decode uses; a host serving one pipeline has
+    no idle ones beside it. Once woken, a pipeline answers its health check before it is used."""
+    frozen = [proc for pipeline in pipelines if pipeline is not measured for proc in pipeline.local.procs
+              if proc.poll() is None]
+    for proc in frozen:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        if measured is not None:
+            measured.local.wait_serving(30)
+        yield
+    finally:
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
 
 
 def _capture_kind() -> str:
