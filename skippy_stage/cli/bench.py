@@ -31,6 +31,7 @@ import structlog
 from skippy_stage.cli.client import generate
 from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, stage_environment
 from skippy_stage.config import SHARED_HOST_PLACES_ENV, StageConfig
+from skippy_stage.errors import SkippyError
 from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
 from skippy_stage.server import wake_latency
@@ -177,6 +178,19 @@ class _Pipeline:
 
     def stop(self) -> None:
         self.local.stop()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Until a one-token generation goes through: a pipeline just resumed (``_awake``) has
+        stages whose health probes of their neighbours lapsed while it was stopped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.generate(PROMPT, 1)
+                return
+            except SkippyError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def chat_ttft(self, turns: list[str], max_tokens: int) -> list[float]:
         """Seconds to the first piece of text of each turn of one conversation (gRPC Generate)."""
@@ -801,14 +815,14 @@ def _awake(pipelines, measured: _Pipeline | None):
     """Only ``measured``'s stages run (None: no pipeline's): the others are stopped (SIGSTOP)
     until the block ends. An idle stage process still wakes ~100 times a second (gRPC's thread
     pool, health probes), on the cores the measured decode uses; a host serving one pipeline has
-    no idle ones beside it. Once woken, a pipeline answers its health check before it is used."""
+    no idle ones beside it. Once woken, a pipeline serves a token before it is measured."""
     frozen = [proc for pipeline in pipelines if pipeline is not measured for proc in pipeline.local.procs
               if proc.poll() is None]
     for proc in frozen:
         proc.send_signal(signal.SIGSTOP)
     try:
         if measured is not None:
-            measured.local.wait_serving(30)
+            measured.wait_ready()
         yield
     finally:
         for proc in frozen:
