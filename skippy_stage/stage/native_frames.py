@@ -59,6 +59,15 @@ def available() -> str:
     return "" if _frames is not None else f"native frame path not built: {_IMPORT_ERROR}"
 
 
+def _run(path, body: bytes, link, sink) -> tuple | None:
+    """``path.run`` on ``link``'s socket under its send lock; its clock readings become tracing's marks."""
+    done = path.run(body, link.sock, link.send_lock, sink)
+    if done is not None:
+        for name, t_ns in zip(_MARKS, done[7]):
+            tracing.mark_at(name, t_ns)
+    return done
+
+
 class NativeFrames:
     """One stage's native frame path; ``run`` a frame's bytes, False when declined."""
 
@@ -96,12 +105,10 @@ class NativeFrames:
             if found is None:
                 return False
             target, link = found
-            done = self._path.run(body, link.sock, link.send_lock, sink)
+            done = _run(self._path, body, link, sink)
             if done is None:
                 return False
-            status, rc, compute_s, latency_s, entries, payload_bytes, message, marks, key = done
-            for name, t_ns in zip(_MARKS, marks):
-                tracing.mark_at(name, t_ns)
+            status, rc, compute_s, latency_s, entries, payload_bytes, message, _, key = done
             tally = Tally()
             if latency_s >= 0:
                 tally.latencies.append(latency_s)
@@ -159,12 +166,10 @@ class NativeHead:
         if link is None:
             return False
         body = codec.frame_to_pb(Frame(step=step, relay=relay, timeout_s=timeout_s)).SerializeToString()
-        done = self._path.run(body, link.sock, link.send_lock, None)
+        done = _run(self._path, body, link, None)
         if done is None:
             return False
-        status, rc, compute_s, _, entries, _, _, marks, _ = done
-        for name, t_ns in zip(_MARKS, marks):
-            tracing.mark_at(name, t_ns)
+        status, rc, compute_s, _, entries, _, _, _, _ = done
         tally.computes.append((compute_s, entries, entries, []))
         tally.native += 1
         if status == _DECODE_FAILED:

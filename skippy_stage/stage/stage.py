@@ -579,19 +579,18 @@ class Stage:
         if self.native_head is None or step.return_key:
             return False
         step.return_key = self.returns.expect(outcome)
+        sent = False
         try:
-            if self.native_head.run(step, downstream, relay=relay, timeout_s=timeout_s, tally=tally):
-                return True
+            sent = self.native_head.run(step, downstream, relay=relay, timeout_s=timeout_s, tally=tally)
         except DownstreamError as exc:
             self._failed(exc, step.session_ids, step.request_id)
-            self.returns.forget(step.return_key)
             raise
-        except SkippyError:
-            self.returns.forget(step.return_key)
-            raise
-        self.returns.forget(step.return_key)
-        step.return_key = ""
-        return False
+        finally:
+            if not sent:
+                self.returns.forget(step.return_key)
+        if not sent:
+            step.return_key = ""
+        return sent
 
     def _from_below(self, reply: Reply) -> None:
         """A message on the downstream edge's back channel (its reader thread): settle the step

@@ -247,6 +247,24 @@ def inner(chain3):
     return path, routes
 
 
+def read_forwarded(link: ReturnLink, sent: bytes, expected: np.ndarray, *, producer: int,
+                   layers: tuple[int, int]) -> pb.HopRequest:
+    """The next frame the C path sent on ``link`` for the frame ``sent``: its one row is the Python
+    path's (``expected``) bit for bit, its entries the ones that came in, byte for byte, and its
+    descriptor names this stage and its layers."""
+    kind, raw = link.head.receive()
+    forwarded = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
+    request = forwarded.request
+    got = np.frombuffer(request.frame.payload, dtype=np.float32).reshape(1, N_EMBD)
+    assert np.array_equal(got, expected)
+    assert [e.SerializeToString() for e in request.entries] == [
+        e.SerializeToString() for e in pb.HopRequest.FromString(sent).request.entries]
+    d = request.frame.descriptor
+    assert (d.dtype, d.producer_stage_index, d.layer_start, d.layer_end, d.width, d.token_count,
+            d.sequence_count, d.payload_bytes) == (pb.DTYPE_F32, producer, *layers, N_EMBD, 1, 1, 4 * N_EMBD)
+    return forwarded
+
+
 def test_an_inner_stage_sends_on_the_python_paths_rows_with_the_entries_as_they_came(chain3, inner, link):
     head, middle, _ = chain3.stages
     path, routes = inner
@@ -266,17 +284,8 @@ def test_an_inner_stage_sends_on_the_python_paths_rows_with_the_entries_as_they_
             done = path.run(sent, link.ours, link.lock, sink)
             assert done is not None and done[0] == 0, done
             key = done[8]
-            kind, raw = link.head.receive()
-            forwarded = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
+            forwarded = read_forwarded(link, sent, expected, producer=1, layers=(10, 20))
             request = forwarded.request
-            # The rows are the Python path's, bit for bit; the entry is the one that came in.
-            got = np.frombuffer(request.frame.payload, dtype=np.float32).reshape(1, N_EMBD)
-            assert np.array_equal(got, expected)
-            assert [e.SerializeToString() for e in request.entries] == [
-                e.SerializeToString() for e in pb.HopRequest.FromString(sent).request.entries]
-            d = request.frame.descriptor
-            assert (d.dtype, d.producer_stage_index, d.layer_start, d.layer_end, d.width, d.token_count,
-                    d.sequence_count, d.payload_bytes) == (pb.DTYPE_F32, 1, 10, 20, N_EMBD, 1, 1, 4 * N_EMBD)
             assert request.request_id == "r" and not forwarded.relay and forwarded.sent_unix_ns > 0
             assert forwarded.timeout_s == (2.5 if step % 2 else 0.5)  # what is left, capped by the hop timeout
             # Replies from below come back under the key routed here: a fresh one for an empty key.
@@ -343,16 +352,8 @@ def test_the_heads_step_sends_the_python_paths_rows_under_the_key_its_wait_is_re
             done = head_path.run(sent, link.ours, link.lock, None)
             assert done is not None and done[0] == 0, done
             assert done[8] is None  # the head routes nothing: the key is the one its wait is under
-            kind, raw = link.head.receive()
-            forwarded = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
+            forwarded = read_forwarded(link, sent, expected, producer=0, layers=(0, 10))
             request = forwarded.request
-            got = np.frombuffer(request.frame.payload, dtype=np.float32).reshape(1, N_EMBD)
-            assert np.array_equal(got, expected)
-            assert [e.SerializeToString() for e in request.entries] == [
-                e.SerializeToString() for e in pb.HopRequest.FromString(sent).request.entries]
-            d = request.frame.descriptor
-            assert (d.dtype, d.producer_stage_index, d.layer_start, d.layer_end, d.width, d.token_count,
-                    d.sequence_count, d.payload_bytes) == (pb.DTYPE_F32, 0, 0, 10, N_EMBD, 1, 1, 4 * N_EMBD)
             assert request.return_key == f"key-{step}" and request.request_id == "step-1"
             assert forwarded.timeout_s == (2.5 if step % 2 else 0.5) and forwarded.sent_unix_ns > 0
             pos, token = pos + 1, token + 1
