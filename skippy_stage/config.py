@@ -45,6 +45,8 @@ WAKE_LATENCY_MAX_US = 2_000_000_000
 MAX_LANES = 256
 # Longest session id any stage accepts (it names a lane in logs, status and metrics).
 MAX_SESSION_ID_LEN = 256
+# The longest a head holds a generation's tokens back to send them together (stream_interval_ms).
+MAX_STREAM_INTERVAL_MS = 1000
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://")
 _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
@@ -617,8 +619,8 @@ def _validate(cfg: StageConfig) -> None:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= 86400:
         raise _fail(cfg, "session_idle_ttl_s", ttl, "must be a number of seconds in [0, 86400] (0: never expire)")
     interval = cfg.stream_interval_ms
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1000:
-        raise _fail(cfg, "stream_interval_ms", interval, "must be a number of milliseconds in [0, 1000]")
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= MAX_STREAM_INTERVAL_MS:
+        raise _fail(cfg, "stream_interval_ms", interval, f"must be a number of milliseconds in [0, {MAX_STREAM_INTERVAL_MS}]")
     if isinstance(cfg.recovery_wait_s, bool) or not isinstance(cfg.recovery_wait_s, (int, float)) \
             or not 0 <= cfg.recovery_wait_s <= 3600:
         raise _fail(cfg, "recovery_wait_s", cfg.recovery_wait_s, "must be a number of seconds in [0, 3600]")

@@ -30,7 +30,7 @@ import structlog
 
 from skippy_stage.cli.client import generate
 from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, stage_environment
-from skippy_stage.config import SHARED_HOST_PLACES_ENV, StageConfig
+from skippy_stage.config import MAX_STREAM_INTERVAL_MS, SHARED_HOST_PLACES_ENV, StageConfig
 from skippy_stage.errors import SkippyError
 from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
@@ -461,10 +461,10 @@ def quiet_client_loop() -> None:
     os.nice(19)
     replies, sys.stdout = sys.stdout, sys.stderr  # nothing but replies on the pipe
     for line in sys.stdin:
-        endpoint, prompt, max_tokens = json.loads(line)
+        endpoint, prompt, max_tokens, interval_ms = json.loads(line)
         try:
             answer = [True, generate(endpoint, prompt, max_tokens=max_tokens, temperature=0.0, seed=None,
-                                     chat=False, out=io.StringIO())]
+                                     chat=False, out=io.StringIO(), stream_interval_ms=interval_ms)]
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which raises it
             answer = [False, f"{type(exc).__name__}: {exc}"]
         replies.write(json.dumps(answer) + "\n")
@@ -486,8 +486,9 @@ class QuietClient:
             [sys.executable, "-c", "from skippy_stage.cli.bench import quiet_client_loop; quiet_client_loop()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def generate(self, endpoint: str, prompt: str, max_tokens: int) -> dict[str, float]:
-        self._proc.stdin.write(json.dumps([endpoint, prompt, max_tokens]) + "\n")
+    def generate(self, endpoint: str, prompt: str, max_tokens: int,
+                 stream_interval_ms: int | None = None) -> dict[str, float]:
+        self._proc.stdin.write(json.dumps([endpoint, prompt, max_tokens, stream_interval_ms]) + "\n")
         self._proc.stdin.flush()
         line = self._proc.stdout.readline()
         if not line:
@@ -507,16 +508,21 @@ class QuietClient:
         self._proc.stdout.close()
 
 
-def _decode_ms(pipeline: _Pipeline,
-               client: QuietClient | None = None) -> tuple[float, list[float], list[float], list[float], float]:
+def _decode_ms(pipeline: _Pipeline, client: QuietClient | None = None,
+               whole: bool = False) -> tuple[float, list[float], list[float], list[float], float]:
     """Single-stream ms/token, each stage's CPU ms per token over the same run, the hop
     overhead from the stages' histograms, each stage's compute ms per batch, and the median
-    hop latency (send -> compute starts at the next stage).
+    hop latency (send -> compute starts at the next stage). ``whole``: the client asks for the
+    whole completion rather than a stream (``stream_interval_ms`` at its most: the first token at
+    once, the rest about once a second and with the end).
 
     A stage computes about a third of the model per token; CPU far above that means its
     threads spin while it waits, stealing cores from the stage that has work.
     """
-    run = pipeline.generate if client is None else partial(client.generate, pipeline.endpoint)
+    if client is None:
+        run = pipeline.generate
+    else:
+        run = partial(client.generate, pipeline.endpoint, stream_interval_ms=MAX_STREAM_INTERVAL_MS if whole else None)
     run(PROMPT, 8)  # warm the path
     pids = [p.pid for p in pipeline.local.procs]
     before = [_cpu_seconds(pid) for pid in pids]
@@ -557,7 +563,7 @@ def run(json_path: str | None = None) -> dict[str, object]:
     report: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="skippy-bench-") as tmp:
         cache_dir = str(Path(tmp) / "slices")
-        decode = _interleaved_decode(model, Path(tmp), cache_dir, cores, HEADLINE_CONTENDERS)
+        decode = _interleaved_decode(model, Path(tmp), cache_dir, cores, HEADLINE_CONTENDERS, whole=("2", "3"))
         compared = _interleaved_decode(model, Path(tmp), cache_dir, cores, COMPARISON_CONTENDERS)
         streamed = _interleaved_decode(model, Path(tmp), cache_dir, cores, STREAM_CONTENDERS)
         report["stream_interval_2_stage"] = {"interval_ms": STREAM_INTERVAL_MS,
@@ -623,6 +629,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
         # stages' own histograms, over the default 3-stage pipeline's decode runs.
         report["hop_latency_us"] = decode["3"]["hop_latency"]
         report["pipeline_ms_per_token"] = pipelines_ms
+        # The same pipelines, the client asking for the whole completion (no message per token).
+        report["whole_completion_ms_per_token"] = {n: decode[f"{n}-whole"]["ms"] for n in ("2", "3")}
         report["one_stage_ms_per_token"] = decode["1"]["ms"]
         report["stage_cpu_ms_per_token"] = stage_cpu
         # What a token pays per hop, as the client sees it: the 3-stage decode's excess over the
@@ -656,6 +664,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
             "decode_3_stage": report["single_process_ms_per_token"] / pipelines_ms["3"],
             # The stack unsplit against the single process, and each split against the stack unsplit.
             "decode_1_stage": report["single_process_ms_per_token"] / decode["1"]["ms"],
+            "decode_2_stage_whole_completion": report["single_process_ms_per_token"] / decode["2-whole"]["ms"],
+            "decode_3_stage_whole_completion": report["single_process_ms_per_token"] / decode["3-whole"]["ms"],
             "decode_2_stage_vs_1_stage": decode["1"]["ms"] / pipelines_ms["2"],
             "decode_3_stage_vs_1_stage": decode["1"]["ms"] / pipelines_ms["3"],
             "aggregate_8_vs_single_batched_8": aggregate["pipeline"]["8"] / aggregate["single_process"]["8"],
@@ -762,10 +772,12 @@ STREAM_CONTENDERS = {"2-each": ([(0, 15), (15, 30)], "direct", "tcp"),
 
 
 def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
-                        contenders: dict[str, tuple]) -> dict[str, dict]:
+                        contenders: dict[str, tuple], whole: tuple[str, ...] = ()) -> dict[str, dict]:
     """Single-stream decode of the unsplit model and of ``contenders`` (name: layer ranges,
     return path, transport[, native frames[, other config[, "local": the client in this process]]]),
-    in rounds; the pipelines' client is a QuietClient unless a contender says "local".
+    in rounds; the pipelines' client is a QuietClient unless a contender says "local". The
+    contenders named in ``whole`` run once more per round for a client that asks for the whole
+    completion rather than a stream (``<name>-whole``), the unsplit model's own way of working.
 
     Everything is loaded at once and each round runs each contender once, so a slow moment of a
     noisy machine hits all of them alike; the figures are the medians over the rounds. The
@@ -775,7 +787,7 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
     clients: dict[str, QuietClient | None] = {}
     quiet = QuietClient()
     single = SingleDecoder(model, cores)
-    runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}}
+    runs: dict[str, list] = {"single": [], **{name: [] for name in contenders}, **{f"{n}-whole": [] for n in whole}}
     try:
         for name, (ranges, return_path, transport, *more) in contenders.items():
             sub = workdir / f"decode-{name}"
@@ -792,6 +804,8 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
             for name, pipeline in pipelines.items():
                 with _awake(pipelines.values(), pipeline):
                     runs[name].append(_decode_ms(pipeline, clients[name]))
+                    if name in whole:
+                        runs[f"{name}-whole"].append(_decode_ms(pipeline, clients[name], whole=True))
     finally:
         quiet.close()
         single.close()
@@ -861,6 +875,10 @@ def format_table(report: dict[str, object]) -> str:
         f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_3_stage']:8.2f} {'>=0.90':>8}",
         f"{'decode ms/token, 1 stage (this stack, unsplit)':44} {r['one_stage_ms_per_token']:12.2f} "
         f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_1_stage']:8.2f}",
+        f"{'decode ms/token, 2 stages, whole completion':44} {r['whole_completion_ms_per_token']['2']:12.2f} "
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_2_stage_whole_completion']:8.2f}",
+        f"{'decode ms/token, 3 stages, whole completion':44} {r['whole_completion_ms_per_token']['3']:12.2f} "
+        f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_3_stage_whole_completion']:8.2f}",
         f"{'decode, 2 / 3 stages vs 1 stage (the split alone)':44} {'':>12} {'':>12} "
         f"{ratios['decode_2_stage_vs_1_stage']:5.2f} / {ratios['decode_3_stage_vs_1_stage']:.2f}",
         f"{'per-hop overhead (us, 3-stage excess / 3 legs)':44} {r['per_hop_overhead_us']:12.0f}",

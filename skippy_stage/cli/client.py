@@ -45,7 +45,7 @@ def add_speculative_flags(p: argparse.ArgumentParser, *, model: bool) -> None:
 
 def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float, seed: int | None,
               chat: bool, out: TextIO = sys.stdout, credentials: Credentials | None = None,
-              speculative: dict[str, object] | None = None) -> dict[str, float]:
+              speculative: dict[str, object] | None = None, stream_interval_ms: int | None = None) -> dict[str, float]:
     import grpc
 
     from skippy_stage.v1 import stage_pb2 as pb
@@ -57,6 +57,8 @@ def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float,
     request = pb.GenerateRequest(max_tokens=max_tokens, sampling=sampling)
     if speculative:
         request.speculative.CopyFrom(pb.Speculative(**speculative))
+    if stream_interval_ms is not None:
+        request.stream_interval_ms = stream_interval_ms
     if chat:
         request.messages.append(pb.ChatMessage(role="user", content=prompt))
     else:

@@ -60,6 +60,8 @@ class GenerateSpec:
     # max_tokens was not asked for (it is the session's size): n > 1 choices then each take at most
     # their share of the KV pool, rather than being refused for not fitting at once
     max_tokens_fit: bool = False
+    # Tokens within this many ms of the last delivery go together (None: the head's stream_interval_ms).
+    stream_interval_ms: float | None = None
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -264,7 +266,8 @@ class Generator:
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % RANDOM_SEED)
             # the choices share a prompt: its logprobs come with the first
             task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=seeded, max_tokens=max_tokens,
-                        top_logprobs=spec.top_logprobs, prompt_logprobs=spec.prompt_logprobs if i == 0 else None)
+                        top_logprobs=spec.top_logprobs, prompt_logprobs=spec.prompt_logprobs if i == 0 else None,
+                        stream_interval_s=None if spec.stream_interval_ms is None else spec.stream_interval_ms / 1e3)
             if speculation.enabled:
                 task.drafter = self.drafters.for_spec(speculation)
                 task.draft_budget = DraftBudget(speculation.k, speculation.adaptive)

@@ -137,6 +137,7 @@ class Task:
     admitted_at: float | None = None
     first_token_at: float | None = None
     delivered_at: float = float("-inf")  # when its handler was last handed tokens
+    stream_interval_s: float | None = None  # its request's own (None: SchedulerLimits.stream_interval_s)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -562,13 +563,14 @@ class Scheduler:
         pending = getattr(self._local, "pending", None)
         if not pending:
             return
-        interval = self.limits.stream_interval_s
-        now = time.monotonic() if interval else 0.0
+        default = self.limits.stream_interval_s
+        now = time.monotonic()
         held = []
         by_task: dict[int, tuple[Task, list]] = {}
         for task, token in pending:
             by_task.setdefault(id(task), (task, []))[1].append(token)
         for task, tokens in by_task.values():
+            interval = default if task.stream_interval_s is None else task.stream_interval_s
             if interval and now < task.delivered_at + interval and not task.cancelled:
                 held.extend((task, token) for token in tokens)
                 continue

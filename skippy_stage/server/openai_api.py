@@ -50,6 +50,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from skippy_stage.config import MAX_STREAM_INTERVAL_MS
 from skippy_stage.errors import (
     ConfigError,
     DownstreamError,
@@ -111,7 +112,14 @@ class OpenAIRequest:
         return GenerateSpec(prompt=self.prompt, messages=self.messages, max_tokens=max_tokens,
                             sampling=self.sampling, stop=self.stop, speculative=self.speculative,
                             top_logprobs=self.top_logprobs, prompt_logprobs=self.top_logprobs if self.echo else None,
-                            max_tokens_fit=self.max_tokens is None)
+                            max_tokens_fit=self.max_tokens is None, stream_interval_ms=self.hold_ms)
+
+    @property
+    def hold_ms(self) -> float | None:
+        """How long the head may hold tokens back: a response that is not streamed is read whole at
+        the end, so the handler need not wake for every token (about once a second instead). Stop
+        strings are seen only as tokens arrive, so a request with them takes the head's default."""
+        return None if self.stream or self.stop else float(MAX_STREAM_INTERVAL_MS)
 
 
 def _json_kind(value: object) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
+from skippy_stage.config import MAX_STREAM_INTERVAL_MS
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
 from skippy_stage.head.drafting import Drafters, SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, load_drafters
@@ -291,6 +292,8 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
             raise InvalidRequestError(f"messages[{i}].role={m.role!r} must be system, user, assistant or tool")
     if req.HasField("top_logprobs") and req.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs={req.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+    if req.HasField("stream_interval_ms") and req.stream_interval_ms > MAX_STREAM_INTERVAL_MS:
+        raise InvalidRequestError(f"stream_interval_ms={req.stream_interval_ms} must be in [0, {MAX_STREAM_INTERVAL_MS}]")
     sampling = codec.sampling_from_pb(req.sampling) if req.HasField("sampling") else None
     speculative = None
     if req.HasField("speculative"):
@@ -305,4 +308,5 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
         stop=tuple(req.stop),
         speculative=speculative,
         top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
+        stream_interval_ms=req.stream_interval_ms if req.HasField("stream_interval_ms") else None,
     )

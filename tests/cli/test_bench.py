@@ -45,6 +45,10 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert report["hop_latency_us"] > 0
     assert report["hidden_state_capture"] == "native"
     assert all(v > 0 for v in report["pipeline_ms_per_token"].values())
+    # The same pipelines for a client that asks for the whole completion, not a message per token.
+    assert set(report["whole_completion_ms_per_token"]) == {"2", "3"}
+    assert all(v > 0 for v in report["whole_completion_ms_per_token"].values())
+    assert "2 stages, whole completion" in run.stdout
     assert "decode ms/token, 3 stages" in run.stdout
     # Speculative decoding: both prompts, with the ngram drafter and without, and the speed-up.
     assert set(report["speculative"]) == {"repetitive", "free_form"}

@@ -282,6 +282,28 @@ def test_a_stream_interval_hands_tokens_over_together_the_first_alone_and_all_be
     assert len(handed) < 40 / 3, [len(b) for b in handed]  # ~5 ms a step in 50 ms windows
 
 
+def test_a_requests_own_stream_interval_overrides_the_heads_either_way(make_scheduler):
+    """Task.stream_interval_s (GenerateRequest.stream_interval_ms): a client that wants the whole
+    text is handed its tokens together under a head that streams each; one that wants each token
+    gets each under a head that holds them."""
+    chain = FakeChain(delay_s=0.002)
+    scheduler = make_scheduler(chain, stream_interval_s=0.0)
+    whole = make_task("whole", 5, 30)
+    whole.stream_interval_s = 10.0
+    scheduler.submit(whole)
+    handed, end = deliveries(whole)
+    assert end == End("length")
+    assert handed == [expected_tokens(whole, 1), expected_tokens(whole)[1:]]  # the first, then the rest at the end
+
+    scheduler = make_scheduler(chain, stream_interval_s=10.0)
+    each = make_task("each", 5, 12)
+    each.stream_interval_s = 0.0
+    scheduler.submit(each)
+    handed, end = deliveries(each)
+    assert end == End("length")
+    assert handed == [[token] for token in expected_tokens(each)]
+
+
 def test_held_tokens_reach_the_handler_before_a_stop_or_a_failure(make_scheduler):
     chain = FakeChain(eog_at={"x": 5 + 6})
     scheduler = make_scheduler(chain, stream_interval_s=10.0)  # nothing but an end sends them

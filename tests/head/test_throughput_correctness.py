@@ -181,4 +181,15 @@ def test_a_stream_interval_sends_fast_tokens_together_and_the_text_is_unchanged(
     assert len(pieces[0].token_ids) == 1  # the first token is not held
     # 32 tokens at a few ms each in 250 ms windows: a handful of messages, not one per token.
     assert len(pieces) < tokens / 2, [len(m.token_ids) for m in pieces]
+    # A request's own interval overrides the head's: 0 streams token by token, above the most is refused.
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        each = list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=tokens, stream_interval_ms=0),
+                                  timeout=120))[:-1]
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=2, stream_interval_ms=1001), timeout=60))
+    assert "".join(m.text for m in each) == reference
+    assert len(each) > tokens / 2, [len(m.token_ids) for m in each]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream_interval_ms=1001" in refused.value.details()
     assert_no_active_sessions(pipeline.configs)

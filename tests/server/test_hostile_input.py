@@ -385,6 +385,8 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     )
     if draw(st.booleans()):
         request.sampling.CopyFrom(draw(sampling_params()))
+    if draw(rarely(4)):
+        request.stream_interval_ms = draw(st.sampled_from([0, 20, 1000, 1001, UINT32_MAX]))
     if draw(rarely(40)):  # past max_message_bytes
         request.prompt = "x" * (MAX_MESSAGE_BYTES + 1)
     return request
@@ -719,6 +721,7 @@ def check_generate_spec(request: pb.GenerateRequest) -> None:
     except InvalidRequestError:
         return
     assert isinstance(spec, GenerateSpec) and 1 <= spec.max_tokens <= 512
+    assert spec.stream_interval_ms is None or 0 <= spec.stream_interval_ms <= 1000
     assert (spec.prompt is None) != (not spec.messages)
 
 

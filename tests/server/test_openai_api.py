@@ -569,3 +569,18 @@ def test_logit_bias_bans_or_forces_tokens_by_id(smollm2, client):
     forced = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0,
                                        logit_bias={str(sea): 100}).choices[0].text
     assert forced == " sea" * 3
+
+
+def test_a_response_read_whole_lets_the_head_hold_its_tokens_unless_stop_strings_must_be_seen():
+    """Not streamed: nobody reads the tokens before the end, so the head holds them (its handler
+    wakes about once a second, not once a token); streamed, or with stop strings (found only as
+    tokens arrive), the head's own stream_interval_ms applies."""
+    from skippy_stage.config import MAX_STREAM_INTERVAL_MS
+    from skippy_stage.server.openai_api import parse_request
+
+    def hold(**body):
+        return parse_request({"prompt": "Hi", **body}, chat=False).spec(512).stream_interval_ms
+
+    assert hold() == hold(stream=False) == MAX_STREAM_INTERVAL_MS
+    assert hold(stream=True) is None
+    assert hold(stop=["\n"]) is None
