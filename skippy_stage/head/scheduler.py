@@ -558,8 +558,9 @@ class Scheduler:
 
     def flush_events(self) -> None:
         """Deliver the tokens this worker thread held back (see ``_emit``): each task's together,
-        one event. With ``stream_interval_s``, a task's tokens wait (here, so its handler is not
-        woken for them) until that long after its last delivery; its end delivers them at once."""
+        one event. With a stream interval (the task's own, else ``stream_interval_s``), a task's
+        tokens wait (here, so its handler is not woken for them) until that long after its last
+        delivery; its end delivers them at once."""
         pending = getattr(self._local, "pending", None)
         if not pending:
             return
