@@ -95,7 +95,9 @@ class StopScanner:
 
     def feed(self, new_text: str) -> str:
         self.text += new_text
-        hits = [self.text.find(s) for s in self.stops]
+        # No stop string starts in released text (a prefix of one at the end is held back), so
+        # only the rest is searched: a long generation does not rescan its whole text per token.
+        hits = [self.text.find(s, self.released) for s in self.stops]
         hits = [h for h in hits if h >= 0]
         if hits:
             end = min(hits)
