@@ -286,22 +286,19 @@ def test_a_requests_own_stream_interval_overrides_the_heads_either_way(make_sche
     """Task.stream_interval_s (GenerateRequest.stream_interval_ms): a client that wants the whole
     text is handed its tokens together under a head that streams each; one that wants each token
     gets each under a head that holds them."""
-    chain = FakeChain(delay_s=0.002)
-    scheduler = make_scheduler(chain, stream_interval_s=0.0)
-    whole = make_task("whole", 5, 30)
-    whole.stream_interval_s = 10.0
-    scheduler.submit(whole)
-    handed, end = deliveries(whole)
-    assert end == End("length")
-    assert handed == [expected_tokens(whole, 1), expected_tokens(whole)[1:]]  # the first, then the rest at the end
+    def handed(head_s: float, own_s: float) -> tuple[Task, list[list[int]]]:
+        scheduler = make_scheduler(FakeChain(delay_s=0.002), stream_interval_s=head_s)
+        task = make_task(f"own-{own_s}", 5, 20)
+        task.stream_interval_s = own_s
+        scheduler.submit(task)
+        batches, end = deliveries(task)
+        assert end == End("length")
+        return task, batches
 
-    scheduler = make_scheduler(chain, stream_interval_s=10.0)
-    each = make_task("each", 5, 12)
-    each.stream_interval_s = 0.0
-    scheduler.submit(each)
-    handed, end = deliveries(each)
-    assert end == End("length")
-    assert handed == [[token] for token in expected_tokens(each)]
+    whole, batches = handed(head_s=0.0, own_s=10.0)
+    assert batches == [expected_tokens(whole, 1), expected_tokens(whole)[1:]]  # the first, then the rest at the end
+    each, batches = handed(head_s=10.0, own_s=0.0)
+    assert batches == [[token] for token in expected_tokens(each)]
 
 
 def test_held_tokens_reach_the_handler_before_a_stop_or_a_failure(make_scheduler):
