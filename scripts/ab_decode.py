@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""Is B faster than A? Single-stream decode of two pipeline set-ups in interleaved rounds.
+"""Is B faster than A? Single-stream decode of pipeline set-ups, all loaded, in alternating rounds.
 
-    python scripts/ab_decode.py --a '{"native_frames": false}' --b '{}' [--stages 2,3] [--rounds 6]
-    python scripts/ab_decode.py --a-env GOMP_SPINCOUNT=2000 --b-env GOMP_SPINCOUNT=300
+    python scripts/ab_decode.py --a '{"native_frames": false}' --b '{}' [--stages 2,3] [--rounds 16]
+    python scripts/ab_decode.py --a-env GOMP_SPINCOUNT=2000 --b-env GOMP_SPINCOUNT=1000
 
 A and B differ by stage config fields (JSON, on every stage) and/or the stages' environment
-(KEY=VALUE,...). Each round starts the packaged SmolLM2 split into local stages once per set-up
-and pipeline size, decodes greedily through ``bench``'s quiet client (its own process, nice 19),
-and stops them; odd rounds run B first. Prints each round and, per size, the medians and the
-median of the per-round ratios A/B (above 1: B faster) with how many rounds B won.
+(KEY=VALUE,...). Every set-up of every pipeline size is started once and stays loaded; each round
+decodes greedily through ``bench``'s quiet client (its own process, nice 19) on A and on B (B
+first in odd rounds) while every other pipeline is frozen (``bench._awake``, as ``bench`` does).
+Prints each round, and per size the mean of the per-round ratios A/B (above 1: B faster) with
+two standard errors, and how many rounds B won.
 
-Only ratios within one run mean anything: the host is shared and noisy, and a fixed cost of
-20-30 us a token (0.3 %) is below what a handful of rounds can tell apart.
+The host's noise between minutes is 3-5 %: a set-up measured in one minute and the other in the
+next says little, which is why each round times both back to back, and why a result needs 16
+rounds or so before its ±2 standard errors are narrower than the 1-2 % effects in question.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -31,26 +34,27 @@ def _env(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split(",") if item)
 
 
-def _run(n_stages: int, extra: dict, env: dict[str, str], workdir: Path, cache_dir: str, tokens: int) -> float:
+def _start(n_stages: int, extra: dict, env: dict[str, str], workdir: Path, cache_dir: str):
+    """A pipeline whose stages inherit ``env``."""
     from skippy_stage.cli import bench
     from skippy_stage.model.packaged import smollm2_path
 
     saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the stages inherit it
-    client = bench.QuietClient()
-    pipeline = bench._Pipeline(smollm2_path(), SPLITS[n_stages], workdir, cache_dir, extra=extra)
+    os.environ.update(env)
     try:
-        client.generate(pipeline.endpoint, bench.PROMPT, 8)
-        return min(1e3 / client.generate(pipeline.endpoint, bench.PROMPT, tokens + 1)["tokens_per_s"]
-                   for _ in range(2))
+        return bench._Pipeline(smollm2_path(), SPLITS[n_stages], workdir, cache_dir, extra=extra)
     finally:
-        pipeline.stop()
-        client.close()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def mean_2se(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], math.nan
+    return statistics.fmean(values), 2 * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def main() -> None:
@@ -60,10 +64,12 @@ def main() -> None:
     parser.add_argument("--a-env", default="", help="A's stage environment, KEY=VALUE,...")
     parser.add_argument("--b-env", default="", help="B's stage environment, KEY=VALUE,...")
     parser.add_argument("--stages", default="2,3")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=100)
     args = parser.parse_args()
     import structlog
+
+    from skippy_stage.cli import bench
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sides = {"A": (json.loads(args.a), _env(args.a_env)), "B": (json.loads(args.b), _env(args.b_env))}
@@ -71,20 +77,35 @@ def main() -> None:
     runs: dict[tuple[int, str], list[float]] = {(n, side): [] for n in sizes for side in sides}
     with tempfile.TemporaryDirectory(prefix="skippy-ab-") as tmp:
         cache_dir = str(Path(tmp) / "slices")
-        for index in range(args.rounds):
-            order = ("A", "B") if index % 2 == 0 else ("B", "A")
+        client = bench.QuietClient()
+        pipelines = {}
+        try:
             for n in sizes:
-                for side in order:
-                    workdir = Path(tmp) / f"r{index}-{n}-{side}"
+                for side, (extra, env) in sides.items():
+                    workdir = Path(tmp) / f"{n}-{side}"
                     workdir.mkdir()
-                    runs[(n, side)].append(_run(n, *sides[side], workdir, cache_dir, args.tokens))
-            print(f"round {index}: " + ", ".join(f"{n} stages {side} {runs[(n, side)][-1]:.2f}"
-                                                 for n in sizes for side in sides), flush=True)
+                    pipelines[(n, side)] = _start(n, extra, env, workdir, cache_dir)
+            for index in range(args.rounds):
+                order = ("A", "B") if index % 2 == 0 else ("B", "A")
+                for n in sizes:
+                    for side in order:
+                        pipeline = pipelines[(n, side)]
+                        with bench._awake(pipelines.values(), pipeline):
+                            client.generate(pipeline.endpoint, bench.PROMPT, 8)
+                            figures = client.generate(pipeline.endpoint, bench.PROMPT, args.tokens + 1)
+                        runs[(n, side)].append(1e3 / figures["tokens_per_s"])
+                print(f"round {index}: " + ", ".join(f"{n} stages {side} {runs[(n, side)][-1]:.2f}"
+                                                     for n in sizes for side in sides), flush=True)
+        finally:
+            client.close()
+            for pipeline in pipelines.values():
+                pipeline.stop()
     for n in sizes:
         a, b = runs[(n, "A")], runs[(n, "B")]
         ratios = [x / y for x, y in zip(a, b)]
-        print(f"{n} stages: A {statistics.median(a):.2f} B {statistics.median(b):.2f} ms/token; A/B per round "
-              f"median {statistics.median(ratios):.3f} ({sum(r > 1 for r in ratios)} of {len(ratios)} B faster)")
+        mean, two_se = mean_2se(ratios)
+        print(f"{n} stages: A {statistics.median(a):.2f} B {statistics.median(b):.2f} ms/token (medians); A/B per "
+              f"round {mean:.3f} ± {two_se:.3f} (mean ± 2 s.e.), {sum(r > 1 for r in ratios)} of {len(ratios)} B faster")
 
 
 if __name__ == "__main__":
