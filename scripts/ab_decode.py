@@ -90,9 +90,12 @@ def main() -> None:
                 for n in sizes:
                     for side in order:
                         pipeline = pipelines[(n, side)]
-                        with bench._awake(pipelines.values(), pipeline):
+                        def measure(pipeline=pipeline) -> dict[str, float]:
                             client.generate(pipeline.endpoint, bench.PROMPT, 8)
-                            figures = client.generate(pipeline.endpoint, bench.PROMPT, args.tokens + 1)
+                            return client.generate(pipeline.endpoint, bench.PROMPT, args.tokens + 1)
+
+                        with bench._awake(pipelines.values(), pipeline):
+                            figures = bench.after_freeze(measure)
                         runs[(n, side)].append(1e3 / figures["tokens_per_s"])
                 print(f"round {index}: " + ", ".join(f"{n} stages {side} {runs[(n, side)][-1]:.2f}"
                                                      for n in sizes for side in sides), flush=True)

@@ -21,8 +21,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -82,20 +84,29 @@ class SingleDecoder:
     def __init__(self, model: Path, threads: int) -> None:
         from skippy_stage.model.loader import reference_llama
 
+        self.threads = threads
         self.llm = reference_llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
         self.tokens = self.llm.tokenize(PROMPT.encode())
 
     def ms_per_token(self) -> float:
+        return self.measure()[0]
+
+    def measure(self) -> tuple[float, dict[str, float]]:
+        """ms per token, and this process's CPU by thread over the same tokens (``thread_split``:
+        its decoding threads are llama.cpp's; the rest is this bench's own, idle meanwhile)."""
         started = time.perf_counter()
+        before: dict[int, tuple[int, int]] = {}
         n = 0
         for _ in self.llm.generate(self.tokens, temp=0.0, reset=True):
             n += 1
             if n == 1:
+                before = thread_times(os.getpid())
                 started = time.perf_counter()  # from the first sampled token: decode only
             if n == DECODE_TOKENS + 1:
                 break
-        return (time.perf_counter() - started) / DECODE_TOKENS * 1e3
+        ms = (time.perf_counter() - started) / DECODE_TOKENS * 1e3
+        return ms, thread_split(_thread_delta(before, thread_times(os.getpid())), DECODE_TOKENS, self.threads)
 
     def close(self) -> None:
         self.llm.close()
@@ -157,7 +168,7 @@ class _Pipeline:
                  kv_unified: bool = True, native_frames: bool = True, extra: dict | None = None) -> None:
         """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
         again and again, which resident prefixes would answer without a prefill."""
-        threads = stage_threads(len(ranges))
+        threads = self.threads = stage_threads(len(ranges))
         ports = free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
@@ -378,10 +389,32 @@ def wake_floor_us(sends: int = 400, busy_s: float = 0.003) -> dict[str, float]:
     return out
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+THREAD_KEYS = ("decoding", "other", "decoding_wait")
+T = TypeVar("T")
+
+
+def thread_times(pid: int) -> dict[int, tuple[int, int]]:
+    """Every thread of ``pid``: (ns on a CPU, ns runnable but waiting for one), from schedstat."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cpu, wait, _ = (int(v) for v in (task / "schedstat").read_text().split())
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+        out[int(task.name)] = (cpu, wait)
+    return out
+
+
+def thread_split(delta: dict[int, tuple[int, int]], n_tokens: int, decoding: int) -> dict[str, float]:
+    """us per token of one process's CPU (``delta``: each thread's ns on a CPU and ns waiting for
+    one): its ``decoding`` busiest threads (the decode's OpenMP team, the thread that calls
+    llama_decode included: its Python between decodes counts here), the rest of its threads (gRPC,
+    the stream, listeners, timers), and how long the decoding threads were runnable but waited
+    for a core (preempted, or woken onto a busy one)."""
+    rows = sorted(delta.values(), reverse=True)
+    per = 1e-3 / n_tokens
+    return {"decoding": sum(r[0] for r in rows[:decoding]) * per, "other": sum(r[0] for r in rows[decoding:]) * per,
+            "decoding_wait": sum(r[1] for r in rows[:decoding]) * per}
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -508,13 +541,34 @@ class QuietClient:
         self._proc.stdout.close()
 
 
+def after_freeze(measure: Callable[[], T], attempts: int = 3) -> T:
+    """``measure()``, again (after a pause) when it failed because a stage was not ready. A stage
+    frozen by ``_awake`` mid health probe finds the probe lapsed once it runs again and reports
+    NOT_SERVING until its next probe (then the stage above it does the same for one round): a
+    generation a moment after the resume can hit that, even after ``wait_ready`` saw one succeed."""
+    for attempt in range(attempts):
+        try:
+            return measure()
+        except (RuntimeError, SkippyError) as exc:
+            if "is not ready" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(1.5)  # past the lapsed probe's round and the next one above it
+    raise AssertionError("unreachable")
+
+
 def _decode_ms(pipeline: _Pipeline, client: QuietClient | None = None,
-               whole: bool = False) -> tuple[float, list[float], list[float], list[float], float]:
+               whole: bool = False) -> tuple[float, list[float], list[float], list[float], float, list[dict]]:
     """Single-stream ms/token, each stage's CPU ms per token over the same run, the hop
-    overhead from the stages' histograms, each stage's compute ms per batch, and the median
-    hop latency (send -> compute starts at the next stage). ``whole``: the client asks for the
-    whole completion rather than a stream (``stream_interval_ms`` at its most: the first token at
-    once, the rest about once a second and with the end).
+    overhead from the stages' histograms, each stage's compute ms per batch, the median hop
+    latency (send -> compute starts at the next stage), and each stage's CPU by thread
+    (``thread_split``). ``whole``: the client asks for the whole completion rather than a stream
+    (``stream_interval_ms`` at its most: the first token at once, the rest about once a second
+    and with the end).
+
+    Every per-token figure is of the decode steps alone, as the single process's are: what a
+    one-token generation of the same prompt cost (its prefill, the session's set-up and end) is
+    taken off the whole run's counters. Before, one ~18-token prefill in 129 steps added ~0.2 ms
+    to each stage's mean compute and ~1 ms to its CPU per token.
 
     A stage computes about a third of the model per token; CPU far above that means its
     threads spin while it waits, stealing cores from the stage that has work.
@@ -525,16 +579,45 @@ def _decode_ms(pipeline: _Pipeline, client: QuietClient | None = None,
         run = partial(client.generate, pipeline.endpoint, stream_interval_ms=MAX_STREAM_INTERVAL_MS if whole else None)
     run(PROMPT, 8)  # warm the path
     pids = [p.pid for p in pipeline.local.procs]
-    before = [_cpu_seconds(pid) for pid in pids]
-    hist_before = [_histogram_sums(p) for p in pipeline.metrics_ports]
+
+    def snapshot() -> tuple[list[dict], list[dict]]:
+        return [thread_times(pid) for pid in pids], [_histogram_sums(p) for p in pipeline.metrics_ports]
+
+    prompt_before = snapshot()
+    run(PROMPT, 1)
+    prompt_after = snapshot()
+    full_before = snapshot()
     figures = run(PROMPT, DECODE_TOKENS + 1)
-    hist_after = [_histogram_sums(p) for p in pipeline.metrics_ports]
-    after = [_cpu_seconds(pid) for pid in pids]
-    n = figures["completion_tokens"]
-    cpu = [(a - b) / n * 1e3 for a, b in zip(after, before)]
+    full_after = snapshot()
+    n = figures["completion_tokens"] - 1  # decode steps: the first token comes with the prefill
+    threads = [thread_split(_subtract(_thread_delta(fb, fa), _thread_delta(pb, pa)), n, pipeline.threads)
+               for fb, fa, pb, pa in zip(full_before[0], full_after[0], prompt_before[0], prompt_after[0])]
+    cpu = [(t["decoding"] + t["other"]) / 1e3 for t in threads]
+    # The decode steps' histogram counts: the whole run's after the prompt-only run's are taken off.
+    hist_before = [_shifted(fb, pb, pa) for fb, pb, pa in zip(full_before[1], prompt_before[1], prompt_after[1])]
+    hist_after = full_after[1]
     compute = [_mean_delta(b, a, "compute") * 1e3 for b, a in zip(hist_before, hist_after)]
     return (1e3 / figures["tokens_per_s"], cpu, hop_overheads_us(hist_before, hist_after), compute,
-            hop_latency_median_us(hist_before, hist_after))
+            hop_latency_median_us(hist_before, hist_after), threads)
+
+
+def _thread_delta(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    return {tid: (a[0] - before.get(tid, (0, 0))[0], a[1] - before.get(tid, (0, 0))[1]) for tid, a in after.items()}
+
+
+def _subtract(total: dict[int, tuple[int, int]], part: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    return {tid: (t[0] - part.get(tid, (0, 0))[0], t[1] - part.get(tid, (0, 0))[1]) for tid, t in total.items()}
+
+
+def _shifted(before: dict, part_before: dict, part_after: dict) -> dict:
+    """``before`` moved on by what happened between ``part_before`` and ``part_after``: taken
+    off a later reading, it leaves what happened since ``before`` except that part."""
+    out: dict[str, object] = {kind: tuple(b + pa - pb for b, pb, pa in zip(before[kind], part_before[kind], part_after[kind]))
+                              for kind in _KINDS}
+    out["hop_latency_buckets"] = [(le, c + pa - pb) for (le, c), (_, pb), (_, pa)
+                                  in zip(before["hop_latency_buckets"], part_before["hop_latency_buckets"],
+                                         part_after["hop_latency_buckets"])]
+    return out
 
 
 def _aggregate(pipeline: _Pipeline, concurrency: int) -> float:
@@ -633,6 +716,10 @@ def run(json_path: str | None = None) -> dict[str, object]:
         report["whole_completion_ms_per_token"] = {n: decode[f"{n}-whole"]["ms"] for n in ("2", "3")}
         report["one_stage_ms_per_token"] = decode["1"]["ms"]
         report["stage_cpu_ms_per_token"] = stage_cpu
+        # Where a token's CPU goes: each process's decoding threads and the rest (thread_split), the
+        # single process's next to the 1-, 2- and 3-stage pipelines'. On a host whose cores are busy
+        # for the whole token, CPU beyond the single process's is what the split costs.
+        report["token_cpu_us_by_thread"] = {n: decode[n]["threads"] for n in ("single", "1", "2", "3")}
         # What a token pays per hop, as the client sees it: the 3-stage decode's excess over the
         # single process, over the 3 legs a token travels (head -> 1 -> 2 -> head, direct return).
         report["per_hop_overhead_us"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 3 * 1e3
@@ -800,12 +887,14 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
             single.ms_per_token()  # warm
         for _ in range(DECODE_ROUNDS):
             with _awake(pipelines.values(), None):
-                runs["single"].append((single.ms_per_token(), [], [], [], 0.0))
+                ms, threads = single.measure()
+                runs["single"].append((ms, [], [], [], 0.0, [threads]))
             for name, pipeline in pipelines.items():
                 with _awake(pipelines.values(), pipeline):
-                    runs[name].append(_decode_ms(pipeline, clients[name]))
+                    runs[name].append(after_freeze(partial(_decode_ms, pipeline, clients[name])))
                     if name in whole:
-                        runs[f"{name}-whole"].append(_decode_ms(pipeline, clients[name], whole=True))
+                        runs[f"{name}-whole"].append(after_freeze(partial(_decode_ms, pipeline, clients[name],
+                                                                          whole=True)))
     finally:
         quiet.close()
         single.close()
@@ -820,7 +909,10 @@ def _interleaved_decode(model: Path, workdir: Path, cache_dir: str, cores: int,
                      if name != "single" else [],
                      "hops": [float(h) for h in np.median(np.array([v[2] for v in values]), axis=0)]
                      if name != "single" else [],
-                     "hop_latency": float(np.median([v[4] for v in values]))}
+                     "hop_latency": float(np.median([v[4] for v in values])),
+                     # Each process's CPU by thread, medians over the rounds.
+                     "threads": [{key: float(np.median([v[5][i][key] for v in values])) for key in THREAD_KEYS}
+                                 for i in range(len(values[0][5]))]}
     return out
 
 
@@ -941,6 +1033,14 @@ def format_table(report: dict[str, object]) -> str:
                  + f"; bench stages held cpu_wake_latency_us={'unset (host policy)' if held is None else held}")
     for n, cpu in r["stage_cpu_ms_per_token"].items():
         lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
+    by_thread = r["token_cpu_us_by_thread"]
+    base = by_thread["single"][0]["decoding"] + by_thread["single"][0]["other"]
+    for n, procs in by_thread.items():
+        total = sum(p["decoding"] + p["other"] for p in procs)
+        name = "single process" if n == "single" else f"{n} stage{'s' if n != '1' else ''}"
+        lines.append(f"CPU us per token, {name}: " + "; ".join(
+            f"{p['decoding']:.0f} decoding (waited {p['decoding_wait']:.0f}) + {p['other']:.0f} other" for p in procs)
+            + ("" if n == "single" else f" = {total:.0f}, {total - base:+.0f} vs single"))
     for n, by_stage in r["stage_compute_ms_by_stage"].items():
         lines.append(f"compute ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in by_stage)
                      + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "

@@ -49,6 +49,14 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert set(report["whole_completion_ms_per_token"]) == {"2", "3"}
     assert all(v > 0 for v in report["whole_completion_ms_per_token"].values())
     assert "2 stages, whole completion" in run.stdout
+    # Where a token's CPU goes, by thread: one entry per process (the single process, each stage).
+    by_thread = report["token_cpu_us_by_thread"]
+    assert {n: len(procs) for n, procs in by_thread.items()} == {"single": 1, "1": 1, "2": 2, "3": 3}
+    for procs in by_thread.values():
+        for proc in procs:
+            assert set(proc) == {"decoding", "other", "decoding_wait"}
+            assert proc["decoding"] > 0 and proc["other"] >= 0 and proc["decoding_wait"] >= 0
+    assert "CPU us per token, 3 stages:" in run.stdout and "vs single" in run.stdout
     assert "decode ms/token, 3 stages" in run.stdout
     # Speculative decoding: both prompts, with the ngram drafter and without, and the speed-up.
     assert set(report["speculative"]) == {"repetitive", "free_form"}
