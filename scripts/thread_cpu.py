@@ -51,6 +51,15 @@ def delta(before: dict, after: dict, n: int) -> list[tuple[str, float, float, fl
     return rows
 
 
+def _minus(before: dict, part_after: dict, part_before: dict) -> dict:
+    """``before`` moved on by the part (so ``after - result`` leaves that part out)."""
+    out = {}
+    for tid, (name, cpu, wait, slices) in before.items():
+        pa, pb = part_after.get(tid, (name, 0, 0, 0)), part_before.get(tid, (name, 0, 0, 0))
+        out[tid] = (name, cpu + pa[1] - pb[1], wait + pa[2] - pb[2], slices + pa[3] - pb[3])
+    return out
+
+
 def _single(conn, model: str, threads: int, prompt: str) -> None:
     from skippy_stage.model.loader import reference_llama
 
@@ -116,11 +125,16 @@ def main() -> None:
                     with bench._awake(pipelines.values(), pipeline):
                         quiet.generate(pipeline.endpoint, bench.PROMPT, 8, interval)
                         pids = [p.pid for p in pipeline.local.procs]
+                        # The prompt alone first: its counters come off the whole run's (decode steps only).
+                        prompt_before = [task_stats(pid) for pid in pids]
+                        quiet.generate(pipeline.endpoint, bench.PROMPT, 1, interval)
+                        prompt_after = [task_stats(pid) for pid in pids]
                         before = [task_stats(pid) for pid in pids]
                         figures = quiet.generate(pipeline.endpoint, bench.PROMPT, args.tokens + 1, interval)
                         after = [task_stats(pid) for pid in pids]
-                        n = figures["completion_tokens"]
-                        rows = [label(delta(b, a, n), 2) for b, a in zip(before, after)]
+                        n = figures["completion_tokens"] - 1
+                        rows = [label(delta(_minus(b, pa, pb), a, n), 2)
+                                for b, a, pb, pa in zip(before, after, prompt_before, prompt_after)]
                         table[name].append([1e3 / figures["tokens_per_s"], *rows])
         finally:
             here.send(None)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from skippy_stage.errors import CapacityError, DownstreamError, InvalidFieldError, PrefixMissError, SkippyError
+from skippy_stage.head import scheduler as scheduler_module
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import End, Failed, PromptLogprobs, Scheduler, SchedulerLimits, Task, Tokens
 from skippy_stage.model.runtime import TokenLogprob
@@ -345,6 +346,38 @@ def test_a_full_admission_queue_refuses_with_a_retry_hint(make_scheduler):
     chain.wait_dropped("running", "waiting")
     assert all(len(s) == 1 for s in chain.sessions_per_request())  # one lane: never together
     assert "refused" not in chain.drops
+
+
+def test_an_idle_scheduler_acts_on_a_submit_at_once_not_on_its_next_look(make_scheduler, monkeypatch):
+    # An idle worker sleeps until notified; with its safety-net look 30 s away, only the notify
+    # of submit can start the task within the test's wait.
+    monkeypatch.setattr(scheduler_module, "IDLE_RECHECK_S", 30.0)
+    chain = FakeChain()
+    scheduler = make_scheduler(chain, max_inflight=2)
+    time.sleep(0.1)  # both workers asleep
+    task = make_task("late", 2, 3)
+    scheduler.submit(task)
+    assert outcome(task) == (expected_tokens(task), End("length"))
+
+
+def test_an_idle_worker_fails_a_queued_task_at_its_admission_deadline(make_scheduler, monkeypatch):
+    # One lane, held by a task whose step is stuck on the wire: the only worker that could look
+    # at the queue is the idle one, and it must wake for the queued task's deadline by itself.
+    monkeypatch.setattr(scheduler_module, "IDLE_RECHECK_S", 30.0)
+    chain = FakeChain()
+    scheduler = make_scheduler(chain, lane_count=1, max_inflight=2, max_queue_wait_s=0.2)
+    running, waiting = make_task("running", 2, 1_000_000), make_task("waiting", 2, 2)
+    chain.gate.clear()
+    scheduler.submit(running)
+    chain.next_request()
+    scheduler.submit(waiting)
+
+    tokens, event = outcome(waiting)
+    assert chain.in_flight == 1, "failed by the busy worker after its step, not by the idle one on time"
+    assert tokens == [] and isinstance(event, Failed) and "admission_wait_s=0.2" in str(event.error)
+    chain.gate.set()
+    running.cancel()
+    chain.wait_dropped("running")
 
 
 def test_a_task_waiting_longer_than_max_queue_wait_fails_naming_the_wait(make_scheduler):
