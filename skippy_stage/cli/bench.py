@@ -106,7 +106,7 @@ class SingleDecoder:
             if n == DECODE_TOKENS + 1:
                 break
         ms = (time.perf_counter() - started) / DECODE_TOKENS * 1e3
-        return ms, thread_split(_thread_delta(before, thread_times(os.getpid())), DECODE_TOKENS, self.threads)
+        return ms, thread_split(_subtract(thread_times(os.getpid()), before), DECODE_TOKENS, self.threads)
 
     def close(self) -> None:
         self.llm.close()
@@ -590,7 +590,7 @@ def _decode_ms(pipeline: _Pipeline, client: QuietClient | None = None,
     figures = run(PROMPT, DECODE_TOKENS + 1)
     full_after = snapshot()
     n = figures["completion_tokens"] - 1  # decode steps: the first token comes with the prefill
-    threads = [thread_split(_subtract(_thread_delta(fb, fa), _thread_delta(pb, pa)), n, pipeline.threads)
+    threads = [thread_split(_subtract(_subtract(fa, fb), _subtract(pa, pb)), n, pipeline.threads)
                for fb, fa, pb, pa in zip(full_before[0], full_after[0], prompt_before[0], prompt_after[0])]
     cpu = [(t["decoding"] + t["other"]) / 1e3 for t in threads]
     # The decode steps' histogram counts: the whole run's after the prompt-only run's are taken off.
@@ -601,11 +601,9 @@ def _decode_ms(pipeline: _Pipeline, client: QuietClient | None = None,
             hop_latency_median_us(hist_before, hist_after), threads)
 
 
-def _thread_delta(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
-    return {tid: (a[0] - before.get(tid, (0, 0))[0], a[1] - before.get(tid, (0, 0))[1]) for tid, a in after.items()}
-
-
 def _subtract(total: dict[int, tuple[int, int]], part: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Per thread, ``total`` minus ``part`` (a thread ``part`` lacks counts from 0): a later
+    ``thread_times`` reading minus an earlier one, or one run's counts minus another's."""
     return {tid: (t[0] - part.get(tid, (0, 0))[0], t[1] - part.get(tid, (0, 0))[1]) for tid, t in total.items()}
 
 
