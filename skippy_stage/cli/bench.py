@@ -410,8 +410,10 @@ def thread_split(delta: dict[int, tuple[int, int]], n_tokens: int, decoding: int
     one): its ``decoding`` busiest threads (the decode's OpenMP team, the thread that calls
     llama_decode included: its Python between decodes counts here), the rest of its threads (gRPC,
     the stream, listeners, timers), and how long the decoding threads were runnable but waited
-    for a core (preempted, or woken onto a busy one)."""
-    rows = sorted(delta.values(), reverse=True)
+    for a core (preempted, or woken onto a busy one). A difference of two runs' counts can come
+    out below 0 for a thread that happened to do more in the shorter run (a timer, a probe):
+    counted as 0, as a thread cannot spend less than nothing."""
+    rows = sorted(((max(cpu, 0), max(wait, 0)) for cpu, wait in delta.values()), reverse=True)
     per = 1e-3 / n_tokens
     return {"decoding": sum(r[0] for r in rows[:decoding]) * per, "other": sum(r[0] for r in rows[decoding:]) * per,
             "decoding_wait": sum(r[1] for r in rows[:decoding]) * per}
