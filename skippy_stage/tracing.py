@@ -19,6 +19,8 @@ The marks, in the order a decode token meets them (stage 0 is the head):
   s0     the next frame (or return) goes to its transport      rdeliv  head: ... and delivered
   enc    ... serialised                                        wait    head: waits for the outputs
   s1     ... sent                                              woke    head: has them
+                                                               took    head: the scheduler took the tokens
+                                                               built   head: ... and built the next step
 """
 
 from __future__ import annotations

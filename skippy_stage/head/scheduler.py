@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from skippy_stage import tracing
 from skippy_stage.errors import (
     CapacityError,
     DownstreamError,
@@ -624,6 +625,7 @@ class Scheduler:
             self.flush_events()
             return
         request = Step(request_id=f"step-{next(self._batch_ids)}", entries=entries)
+        tracing.mark("built")
         try:
             response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
@@ -716,6 +718,7 @@ class Scheduler:
             for token, logprob in zip(tokens, logprobs):
                 if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):
                     break
+        tracing.mark("took")
 
     def _send_prompt_logprobs(self, task: Task) -> bool:
         """Emit the prompt's logprobs ahead of its first sampled token; False if some are missing."""
