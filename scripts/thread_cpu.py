@@ -122,7 +122,7 @@ def main() -> None:
                     wall = (time.perf_counter() - started) / args.tokens * 1e3
                     table["single"].append([wall, label(delta(before, task_stats(single.pid), args.tokens), 2)])
                 for name, pipeline in pipelines.items():
-                    with bench._awake(pipelines.values(), pipeline):
+                    def measure(pipeline=pipeline) -> list:
                         quiet.generate(pipeline.endpoint, bench.PROMPT, 8, interval)
                         pids = [p.pid for p in pipeline.local.procs]
                         # The prompt alone first: its counters come off the whole run's (decode steps only).
@@ -135,7 +135,10 @@ def main() -> None:
                         n = figures["completion_tokens"] - 1
                         rows = [label(delta(_minus(b, pa, pb), a, n), 2)
                                 for b, a, pb, pa in zip(before, after, prompt_before, prompt_after)]
-                        table[name].append([1e3 / figures["tokens_per_s"], *rows])
+                        return [1e3 / figures["tokens_per_s"], *rows]
+
+                    with bench._awake(pipelines.values(), pipeline):
+                        table[name].append(bench.after_freeze(measure))
         finally:
             here.send(None)
             single.join(30)
