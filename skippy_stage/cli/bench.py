@@ -736,6 +736,8 @@ def run(json_path: str | None = None) -> dict[str, object]:
         # process runs as llama-cpp-python does (an operator's GOMP_SPINCOUNT applies to both).
         report["openmp_spincount"] = {"stages": stage_environment()["GOMP_SPINCOUNT"],
                                       "single_process": os.environ.get("GOMP_SPINCOUNT", "libgomp default")}
+        report["openmp_wait_policy"] = {"stages": stage_environment().get("OMP_WAIT_POLICY", "libgomp default"),
+                                        "single_process": os.environ.get("OMP_WAIT_POLICY", "libgomp default")}
         report["openmp_proc_bind"] = {"stages": stage_environment().get("OMP_PROC_BIND", "libgomp default"),
                                       "single_process": os.environ.get("OMP_PROC_BIND", "libgomp default")}
         # Whether each stage's binding starts at its own core (stage_index mod the cores).
@@ -1046,7 +1048,9 @@ def format_table(report: dict[str, object]) -> str:
                      + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "
                        f"{r['single_process_ms_per_token']:.2f} in all)")
     spin, bind = r["openmp_spincount"], r["openmp_proc_bind"]
-    lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; threads "
+    policy = r.get("openmp_wait_policy", {"stages": "?", "single_process": "?"})
+    lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; wait policy: "
+                 f"stages {policy['stages']}, single process {policy['single_process']}; threads "
                  f"bound: stages {bind['stages']}, single process {bind['single_process']}; "
                  f"{'each stage from its own core' if r.get('openmp_places_by_stage') else 'every stage from the first core'}; "
                  f"hidden-state capture {r['hidden_state_capture']}")

@@ -59,13 +59,14 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from skippy_stage.cli.local import die_with_parent
-    from skippy_stage.config import load_config, stage_openmp_places
+    from skippy_stage.config import load_config, several_teams_openmp, stage_openmp_places
 
     die_with_parent()
     config = load_config(args.config)
     # Before the server's import loads llama.cpp, and with it libgomp, which reads its places then.
     os.environ.update(stage_openmp_places(config.stage_index, max(config.n_threads, config.n_threads_batch or 0),
                                           os.environ, os.sched_getaffinity(0)))
+    os.environ.update(several_teams_openmp(config.max_inflight, config.include_embeddings, os.environ))
     from skippy_stage.server.server import serve
 
     if args.http_port is not None:

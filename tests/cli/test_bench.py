@@ -28,7 +28,7 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert set(report["prefill_tokens_per_s"]) == {"pipeline", "single_process"}
     assert report["wire_bytes_per_token"] == {"f32": 2304, "f16": 1152, "bf16": 1152, "int8": 580}
     for key in ("single_process_ms_per_token", "per_hop_overhead_us", "ratios", "stage_cpu_ms_per_token",
-                "per_hop_overhead_us_histograms", "openmp_spincount", "openmp_proc_bind"):
+                "per_hop_overhead_us_histograms", "openmp_spincount", "openmp_wait_policy", "openmp_proc_bind"):
         assert key in report
     # Stages started beside each other bind from their own cores unless the environment placed them.
     placed = {"OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"} & set(os.environ)

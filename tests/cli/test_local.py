@@ -36,9 +36,43 @@ def test_stages_started_here_share_the_host_and_sleep_their_openmp_workers_soon(
     from skippy_stage.config import SHARED_HOST_SPINCOUNT
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert stage_environment()["GOMP_SPINCOUNT"] == SHARED_HOST_SPINCOUNT
     monkeypatch.setenv("GOMP_SPINCOUNT", "12345")
     assert stage_environment()["GOMP_SPINCOUNT"] == "12345", "an operator's value wins"
+
+
+def test_co_located_stages_keep_spinning_briefly_at_barriers_once_several_threads_decode(monkeypatch):
+    """Beside the spin count it sets, the launcher sets OMP_WAIT_POLICY=active: libgomp then spins
+    min(1000, GOMP_SPINCOUNT) at a barrier, not 100, once a process runs more OpenMP threads than
+    cores (a second decoding thread: max_inflight 2 cost a single stream 8 % without it). Not
+    where the operator chose the spin count or the policy."""
+    from skippy_stage.cli.local import stage_environment
+    from skippy_stage.config import SHARED_HOST_WAIT_POLICY
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert stage_environment()["OMP_WAIT_POLICY"] == SHARED_HOST_WAIT_POLICY == "active"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert stage_environment()["OMP_WAIT_POLICY"] == "passive", "an operator's policy wins"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "12345")
+    assert "OMP_WAIT_POLICY" not in stage_environment(), "an operator's spin count: their policy too"
+
+
+def test_a_head_alone_on_its_host_running_several_steps_keeps_libgomps_spin_with_the_throttled_one_lifted():
+    """A head with max_inflight > 1 decodes on that many threads, each leading its own OpenMP team:
+    more threads than cores, where libgomp spins only 100 at a barrier unless the policy is active.
+    Its serve sets the policy with libgomp's own spin count for an unset one; nothing for one
+    decoding thread, below the head, or where the operator chose."""
+    from skippy_stage.config import STANDALONE_SPINCOUNT, several_teams_openmp
+
+    assert several_teams_openmp(2, True, {}) == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": STANDALONE_SPINCOUNT}
+    assert STANDALONE_SPINCOUNT == "300000", "libgomp's default with no policy set"
+    assert several_teams_openmp(1, True, {}) == {}
+    assert several_teams_openmp(4, False, {}) == {}
+    assert several_teams_openmp(2, True, {"GOMP_SPINCOUNT": "10"}) == {}
+    assert several_teams_openmp(2, True, {"OMP_WAIT_POLICY": "passive"}) == {}
 
 
 def test_stages_started_here_bind_their_openmp_threads_unless_the_operator_placed_them(monkeypatch):
@@ -87,12 +121,13 @@ def test_a_stage_alone_on_its_host_keeps_libgomps_own_spin_count():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_PROC_BIND")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_PROC_BIND", "OMP_WAIT_POLICY")}
     run = subprocess.run([sys.executable, "-c", "import os, skippy_stage.server.server, skippy_stage.cli.commands; "
-                          "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_PROC_BIND'))"],
+                          "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_PROC_BIND'), "
+                          "os.environ.get('OMP_WAIT_POLICY'))"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "None None"
+    assert run.stdout.strip() == "None None None"
 
 
 _CHILD = ("from skippy_stage.cli.local import die_with_parent; die_with_parent(); import time; time.sleep(60)")

@@ -246,7 +246,8 @@ def test_written_compose_chains_the_services(written: tuple[Path, list[Path]]) -
     assert list(configs) == ["gpu-a", "gpu-b", "gpu-c"]
     compose = yaml.safe_load((out / "compose.yaml").read_text())
     assert compose["services"]["gpu-a"]["ports"] == ["7000:7000"]
-    assert compose["services"]["gpu-b"]["environment"] == {"GOMP_SPINCOUNT": "2000", "OMP_PROC_BIND": "true",
+    assert compose["services"]["gpu-b"]["environment"] == {"GOMP_SPINCOUNT": "2000", "OMP_WAIT_POLICY": "active",
+                                                              "OMP_PROC_BIND": "true",
                                                               "SKIPPY_OMP_PLACES_BY_STAGE": "1"}, \
         "one host's cores, shared"
     deployment = next(d for d in load_docs(out / "k8s" / "gpu-b.yaml") if d["kind"] == "Deployment")
