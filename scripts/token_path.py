@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a token's time goes on its way through a pipeline: the median of every step.
 
-    python scripts/token_path.py [--stages 1|2|3] [--tokens 128] [--rounds 3]
+    python scripts/token_path.py [--stages 1|2|3] [--tokens 128] [--rounds 3] [--config '{"n_threads": 1}']
 
 Starts the packaged SmolLM2 split into local ``serve`` processes (as ``skippy-stage bench``
 does) with ``SKIPPY_TRACE_DIR`` set, so every stage marks fixed points of its frame path
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import os
 import statistics
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--config", default="{}", help="stage config fields (JSON) for every stage")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="skippy-trace-") as tmp:
         trace_dir = Path(tmp) / "trace"
@@ -72,7 +74,8 @@ def main() -> None:
         os.environ["SKIPPY_TRACE_DIR"] = str(trace_dir)  # the stages inherit it (this process is not traced)
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
         ranges = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}[args.stages]
-        pipeline = bench._Pipeline(smollm2_path(), ranges, Path(tmp) / "work", str(Path(tmp) / "slices"))
+        pipeline = bench._Pipeline(smollm2_path(), ranges, Path(tmp) / "work", str(Path(tmp) / "slices"),
+                                   extra=json.loads(args.config))
         try:
             pipeline.generate(bench.PROMPT, 8)
             for _ in range(args.rounds):
