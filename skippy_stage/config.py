@@ -94,14 +94,15 @@ _OPERATOR_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 # every barrier of the graph sleeps and is woken. Measured with SmolLM2 on a 2-vCPU Xeon (single
 # stream, A/B rounds): 2 stages with max_inflight 2 decoded at 0.921 ± 0.020 of max_inflight 1
 # (10 rounds, none faster); with the policy 0.990 ± 0.019 (2 stages) / 1.002 ± 0.015 (3). With
-# one decoding thread a process it changes nothing: 0.994 ± 0.008 / 0.999 ± 0.022 (16 rounds).
+# one decoding thread per process it changes nothing: 0.994 ± 0.008 / 0.999 ± 0.022 (16 rounds).
 # (The head's next decode moved onto its return listener's thread — an experiment of stop 33 —
 # made its llama_decode 1.1 ms slower this way, 5.8 against 4.6 ms.)
 SHARED_HOST_WAIT_POLICY = "active"
 # A head alone on its host that runs several steps at once (max_inflight > 1) decodes on as many
 # threads, each leading n_threads - 1 workers: more OpenMP threads than cores, so the throttled
 # spin above, at 100. It gets libgomp's own spin for an unset policy (3 ms) with the policy that
-# lifts the throttled one to 1000. An operator's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+# lifts the throttled one to 1000 (on a hybrid x86 CPU libgomp would have chosen a spin of 1 with
+# neither set). An operator's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 STANDALONE_SPINCOUNT = "300000"
 
 
