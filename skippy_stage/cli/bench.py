@@ -1047,8 +1047,7 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"compute ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in by_stage)
                      + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "
                        f"{r['single_process_ms_per_token']:.2f} in all)")
-    spin, bind = r["openmp_spincount"], r["openmp_proc_bind"]
-    policy = r.get("openmp_wait_policy", {"stages": "?", "single_process": "?"})
+    spin, policy, bind = r["openmp_spincount"], r["openmp_wait_policy"], r["openmp_proc_bind"]
     lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; wait policy: "
                  f"stages {policy['stages']}, single process {policy['single_process']}; threads "
                  f"bound: stages {bind['stages']}, single process {bind['single_process']}; "
