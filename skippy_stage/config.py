@@ -104,6 +104,13 @@ SHARED_HOST_WAIT_POLICY = "active"
 # lifts the throttled one to 1000 (on a hybrid x86 CPU libgomp would have chosen a spin of 1 with
 # neither set). An operator's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 STANDALONE_SPINCOUNT = "300000"
+# Where llama.cpp was built without OpenMP, stages decode on ggml's own thread pool
+# (``model.threadpool``), whose idle threads poll after a graph for as long as this level says
+# before they sleep: not at all for co-located stages (a stage that finished must not spin on
+# the cores the next one decodes on, as with OpenMP's spin count above); llama.cpp's default
+# elsewhere. An operator's value wins.
+SHARED_HOST_GGML_POLL = "0"
+GGML_POLL_ENV = "SKIPPY_GGML_POLL"
 
 
 def shared_host_openmp(environ: dict[str, str]) -> dict[str, str]:
@@ -114,6 +121,8 @@ def shared_host_openmp(environ: dict[str, str]) -> dict[str, str]:
     if not set(_OPERATOR_PLACEMENT) & set(environ):
         added["OMP_PROC_BIND"] = SHARED_HOST_PROC_BIND
         added[SHARED_HOST_PLACES_ENV] = "1"
+    if GGML_POLL_ENV not in environ:
+        added[GGML_POLL_ENV] = SHARED_HOST_GGML_POLL
     return added
 
 

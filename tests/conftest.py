@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import structlog
 
-from skippy_stage.config import SHARED_HOST_SPINCOUNT, SHARED_HOST_WAIT_POLICY
+from skippy_stage.config import GGML_POLL_ENV, SHARED_HOST_GGML_POLL, SHARED_HOST_SPINCOUNT, SHARED_HOST_WAIT_POLICY
 
 # Every stage a test starts shares this machine's cores with the others and with the test
 # process (which runs runtimes of its own): the spin count (and the wait policy that keeps the
 # throttled spin at 1000) for stages sharing a host, set before llama_cpp (and with it libgomp)
-# loads here, and inherited by every process started.
+# loads here, and inherited by every process started; and no polling for ggml's own thread pool
+# (a llama.cpp built without OpenMP).
 os.environ.setdefault("GOMP_SPINCOUNT", SHARED_HOST_SPINCOUNT)
 os.environ.setdefault("OMP_WAIT_POLICY", SHARED_HOST_WAIT_POLICY)
+os.environ.setdefault(GGML_POLL_ENV, SHARED_HOST_GGML_POLL)
 
 from skippy_stage.model.packaged import gemma3_path, smollm2_path
 

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from support.pipeline import PROMPTS, StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, status
 
+from skippy_stage.model import threadpool
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -74,6 +75,8 @@ def _span(part: str) -> range:
     return range(int(first), int(last or first) + 1)
 
 
+@pytest.mark.skipif(not threadpool.openmp_build(), reason="OpenMP's binding: a llama.cpp built without OpenMP "
+                    "decodes on ggml pools whose threads are not bound")
 @pytest.mark.parametrize("every_core", [False, True], ids=["cores-shared-out", "every-core-each"])
 def test_stages_sharing_a_host_start_their_threads_on_different_cores(every_core, smollm2, smollm2_texts,
                                                                       start_pipeline, monkeypatch):

@@ -34,6 +34,7 @@ from skippy_stage.cli.client import generate
 from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, stage_environment
 from skippy_stage.config import MAX_STREAM_INTERVAL_MS, SHARED_HOST_PLACES_ENV, StageConfig
 from skippy_stage.errors import SkippyError
+from skippy_stage.model import threadpool
 from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
 from skippy_stage.server import wake_latency
@@ -743,6 +744,10 @@ def run(json_path: str | None = None) -> dict[str, object]:
         # Whether each stage's binding starts at its own core (stage_index mod the cores).
         report["openmp_places_by_stage"] = stage_environment().get(SHARED_HOST_PLACES_ENV) == "1"
         report["hidden_state_capture"] = _capture_kind()
+        # What runs the CPU graphs: OpenMP, or (a build without it) ggml's own pool, polling as set.
+        report["cpu_threads"] = "openmp" if threadpool.openmp_build() else {
+            "stages": f"ggml pool, poll {threadpool.poll_level(stage_environment())}",
+            "single_process": f"ggml pool, poll {threadpool.poll_level(os.environ)}"}
         # The whole cost of splitting, per extra stage, as seen by a client.
         report["split_cost_us_per_extra_stage"] = (pipelines_ms["3"] - report["single_process_ms_per_token"]) / 2 * 1e3
         report["aggregate_tokens_per_s"] = aggregate
@@ -1053,5 +1058,9 @@ def format_table(report: dict[str, object]) -> str:
                  f"bound: stages {bind['stages']}, single process {bind['single_process']}; "
                  f"{'each stage from its own core' if r.get('openmp_places_by_stage') else 'every stage from the first core'}; "
                  f"hidden-state capture {r['hidden_state_capture']}")
+    threads = r["cpu_threads"]
+    if threads != "openmp":
+        lines.append(f"CPU graphs on llama.cpp built without OpenMP: stages {threads['stages']}, single process "
+                     f"{threads['single_process']} (the OpenMP settings above do nothing)")
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
     return "\n".join(lines)

@@ -53,15 +53,39 @@ ggml_backend_dev_description = _bind(_ggml_base, "ggml_backend_dev_description",
 ggml_backend_dev_type = _bind(_ggml_base, "ggml_backend_dev_type", [_VOIDP], ctypes.c_int)
 ggml_backend_dev_memory = _bind(_ggml_base, "ggml_backend_dev_memory",
                                 [_VOIDP, ctypes.POINTER(_SIZE), ctypes.POINTER(_SIZE)], None)
+ggml_backend_reg_get_proc_address = _bind(_ggml_base, "ggml_backend_reg_get_proc_address",
+                                          [_VOIDP, ctypes.c_char_p], _VOIDP)
 
 _ggml = _same_library_as_libllama("libggml")
 ggml_backend_reg_count = _bind(_ggml, "ggml_backend_reg_count", [], _SIZE)
 ggml_backend_dev_count = _bind(_ggml, "ggml_backend_dev_count", [], _SIZE)
 ggml_backend_dev_get = _bind(_ggml, "ggml_backend_dev_get", [_SIZE], _VOIDP)
 ggml_backend_load_all_from_path = _bind(_ggml, "ggml_backend_load_all_from_path", [ctypes.c_char_p], None)
+ggml_backend_reg_by_name = _bind(_ggml, "ggml_backend_reg_by_name", [ctypes.c_char_p], _VOIDP)
 
 # enum ggml_backend_dev_type
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+def bind_base(name: str, argtypes: list, restype: object) -> ctypes._CFuncPtr:
+    """A libggml-base function llama-cpp-python does not bind."""
+    return _bind(_ggml_base, name, argtypes, restype)
+
+
+def bind_llama(name: str, argtypes: list, restype: object) -> ctypes._CFuncPtr:
+    """A libllama function llama-cpp-python does not bind (a prototype of our own, not its)."""
+    return _bind(ctypes.CDLL(llama_cpp.llama_cpp._lib._name), name, argtypes, restype)
+
+
+def cpu_backend_function(name: str, restype: object, *argtypes: object) -> ctypes._CFuncPtr:
+    """A function of the CPU backend by name, through ggml's registry: where the backend is a
+    module loaded at run time (GGML_BACKEND_DL) no library of ours links it."""
+    init_backend()
+    reg = ggml_backend_reg_by_name(b"CPU")
+    address = ggml_backend_reg_get_proc_address(reg, name.encode()) if reg else None
+    if not address:
+        raise RuntimeError(f"llama.cpp's CPU backend does not offer {name}")
+    return ctypes.CFUNCTYPE(restype, *argtypes)(address)
 
 
 class _TensorHead(ctypes.Structure):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import structlog
 from skippy_stage.config import CACHE_TYPE_BYTES, StageConfig
 from skippy_stage.errors import ConfigError
 from skippy_stage.model import host as host_facts
+from skippy_stage.model import threadpool
 from skippy_stage.model.slicing import ModelInfo
 
 log = structlog.get_logger("skippy_stage.loader")
@@ -239,7 +241,8 @@ def reference_llama(model_path: str, **kwargs: Any) -> llama_cpp.Llama:
     """``llama_cpp.Llama(model_path, **kwargs)`` loaded the way stages load (repack off).
 
     The equivalence tests and the benchmark compare against this: on an AMX host the stock
-    defaults crash, and elsewhere they would run other kernels than the stages do.
+    defaults crash, and elsewhere they would run other kernels than the stages do. Where
+    llama.cpp lacks OpenMP it decodes on a thread pool of its own, as stages do (``threadpool``).
     """
     from llama_cpp import Llama
 
@@ -249,4 +252,5 @@ def reference_llama(model_path: str, **kwargs: Any) -> llama_cpp.Llama:
     for name, value in policy.items():
         if getattr(llm.model_params, name) != value:
             raise ConfigError(f"the reference model was loaded with {name}={getattr(llm.model_params, name)!r}")
+    threadpool.for_llama(llm, os.environ)
     return llm

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from skippy_stage.errors import (
     SessionStateError,
     UnknownSessionError,
 )
-from skippy_stage.model import llama_ffi, loader
+from skippy_stage.model import llama_ffi, loader, threadpool
 from skippy_stage.model.capture import Capture, LayerTap, NativeCapture, make_capture
 from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
 from skippy_stage.model.sampling import SamplerChain, SamplingParams, validated_once
@@ -310,6 +311,11 @@ class StageRuntime:
                 f"lane_count={cfg.lane_count}, cache types {cfg.cache_type_k}/{cfg.cache_type_v}, "
                 f"flash_attn_type={cfg.flash_attn_type})"
             )
+        try:
+            self._pool = threadpool.for_context(ctx, max(cfg.n_threads, cfg.threads_batch), os.environ)
+        except BaseException:
+            llama_cpp.llama_free(ctx)
+            raise
         return ctx
 
     def _alloc_batch(self) -> None:
@@ -910,6 +916,9 @@ class StageRuntime:
             if getattr(self, "_ctx", None):
                 llama_cpp.llama_free(self._ctx)
                 self._ctx = None
+            if getattr(self, "_pool", None) is not None:
+                self._pool.free()  # after the context: nothing decodes on it now
+                self._pool = None
             if getattr(self, "_model", None):
                 llama_cpp.llama_model_free(self._model)
                 self._model = None

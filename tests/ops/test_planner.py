@@ -248,7 +248,8 @@ def test_written_compose_chains_the_services(written: tuple[Path, list[Path]]) -
     assert compose["services"]["gpu-a"]["ports"] == ["7000:7000"]
     assert compose["services"]["gpu-b"]["environment"] == {"GOMP_SPINCOUNT": "2000", "OMP_WAIT_POLICY": "active",
                                                               "OMP_PROC_BIND": "true",
-                                                              "SKIPPY_OMP_PLACES_BY_STAGE": "1"}, \
+                                                              "SKIPPY_OMP_PLACES_BY_STAGE": "1",
+                                                              "SKIPPY_GGML_POLL": "0"}, \
         "one host's cores, shared"
     deployment = next(d for d in load_docs(out / "k8s" / "gpu-b.yaml") if d["kind"] == "Deployment")
     assert "env" not in deployment["spec"]["template"]["spec"]["containers"][0], "a node of its own: libgomp's default"
