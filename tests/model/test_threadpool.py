@@ -37,9 +37,12 @@ def greedy(llm: llama_cpp.Llama, n: int) -> list[int]:
 
 
 def test_the_build_says_whether_it_computes_on_openmp_and_an_openmp_build_gets_no_pool(smollm2):
+    """Read from llama.cpp's feature list, checked here against what the process really loaded:
+    an OpenMP build's CPU backend brings libgomp with it."""
     llm = reference_llama(smollm2, n_ctx=256, n_threads=2, verbose=False)
     try:
-        assert threadpool.openmp_build() == (b"OPENMP = 1" in llama_cpp.llama_print_system_info())
+        mapped = Path("/proc/self/maps").read_text()
+        assert threadpool.openmp_build() == ("libgomp" in mapped)
         if threadpool.openmp_build():
             assert threadpool.for_context(llm.ctx, 2, {}) is None, "OpenMP never reads an attached pool's threads"
     finally:
