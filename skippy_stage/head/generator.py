@@ -9,7 +9,9 @@ start of a stop string, so what a client reads equals what llama-cpp-python's
 
 from __future__ import annotations
 
+import array
 import codecs
+import os
 import dataclasses
 import queue
 import uuid
@@ -38,6 +40,7 @@ from skippy_stage.head.scheduler import (
 from skippy_stage.model.runtime import StageRuntime, TokenLogprob
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, parse_grammar
 from skippy_stage.stage.stage import Stage
+from skippy_stage.stage.steps import Outputs, Step
 
 log = structlog.get_logger("skippy_stage.head")
 
@@ -173,6 +176,7 @@ class Generator:
             stage_id=cfg.stage_id,
             on_recovery=stage.metrics.session_recoveries.inc,
             on_speculation=on_speculation,
+            lone=self._lone(stage, runtime),
             **self._prefix_cache(stage, runtime),
         )
         template = runtime.tokenizer.metadata("tokenizer.chat_template")
@@ -185,6 +189,19 @@ class Generator:
             if template
             else None
         )
+
+    @staticmethod
+    def _lone(stage: Stage, runtime: StageRuntime):
+        """The head's lone greedy generation in C (``Stage.process_lone``), where the head's steps
+        run in C; else None (every step through ``Stage.process``)."""
+        if stage.native_head is None or os.environ.get("SKIPPY_NO_LONE"):
+            return None
+        tokenizer = runtime.tokenizer
+        eog = array.array("i", [t for t in range(tokenizer.n_vocab) if tokenizer.is_eog(t)]).tobytes()
+
+        def lone(request: Step, timeout: float, on_token, limit: int) -> Outputs:
+            return stage.process_lone(request, timeout, on_token=on_token, limit=limit, eog=eog)
+        return lone
 
     @staticmethod
     def _prefix_cache(stage: Stage, runtime: StageRuntime) -> dict[str, object]:

@@ -41,7 +41,7 @@ from skippy_stage.errors import (
 from skippy_stage.head.drafting import DraftBudget, Drafter
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.model.runtime import TokenLogprob
-from skippy_stage.model.sampling import SamplingParams
+from skippy_stage.model.sampling import SamplingParams, plain_greedy
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Outputs, Step, StepEntry
 
 log = structlog.get_logger("skippy_stage.scheduler")
@@ -182,6 +182,10 @@ class SchedulerLimits:
 
 
 StepFn = Callable[[Step, float], Outputs]
+# The head's lone greedy generation (``Stage.process_lone``): the step, its timeout, the callback
+# for each token fed after the first (None for the first step) that says whether to go on, and
+# how many tokens may come back before the scheduler must see one.
+LoneFn = Callable[[Step, float, Callable[[int | None], bool], int], Outputs]
 DropFn = Callable[[str], None]
 PrefixEvent = Callable[[str, int], None]  # ("hit", tokens reused) or ("miss", 0)
 IsEog = Callable[[int], bool]
@@ -195,7 +199,8 @@ class Scheduler:
                  retire: DropFn | None = None, prefixes: PrefixCache | None = None,
                  on_prefix: PrefixEvent = lambda kind, tokens: None,
                  on_recovery: Callable[[], None] = lambda: None,
-                 on_speculation: Callable[[int, int], None] = lambda drafted, accepted: None) -> None:
+                 on_speculation: Callable[[int, int], None] = lambda drafted, accepted: None,
+                 lone: LoneFn | None = None) -> None:
         """``retire`` and ``prefixes`` turn the prefix cache on: a finished session is retired on
         every stage (its KV kept under its id) instead of dropped, and a new one starts from the
         resident prefix sharing most of its prompt."""
@@ -207,6 +212,7 @@ class Scheduler:
         self._on_speculation = on_speculation
         self._chain_ready = chain_ready
         self._step = step
+        self._lone = lone
         self._drop = drop
         self._is_eog = is_eog
         self.log = log.bind(stage_id=stage_id)
@@ -627,7 +633,11 @@ class Scheduler:
         request = Step(request_id=f"step-{next(self._batch_ids)}", entries=entries)
         tracing.mark("built")
         try:
-            response = self._step(request, self.limits.step_timeout_s)
+            limit = self._lone_limit(batch, plan, entries)
+            if limit:
+                response = self._lone(request, self.limits.step_timeout_s, self._on_lone_token(batch[0]), limit)
+            else:
+                response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
             self.flush_events()
             # UNAVAILABLE: a stage below is gone. NOT_FOUND from below: a stage lost sessions the
@@ -719,6 +729,36 @@ class Scheduler:
                 if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):
                     break
         tracing.mark("took")
+
+    def _lone_limit(self, batch: list[Task], plan: list[tuple[Task, int]], entries: list[StepEntry]) -> int:
+        """How many tokens a lone generation may take (``LoneFn``) before this scheduler must see
+        one — its length or context reached — or 0 when this step is not one: one task alone at
+        the head, decoding one plain greedy token, with nothing that needs the scheduler between
+        its steps (drafts, logprobs, forks)."""
+        if self._lone is None or len(batch) != 1 or len(plan) != 1 or plan[0][1] or len(entries) != 1:
+            return 0
+        task, entry = batch[0], entries[0]
+        if (entry.phase != PHASE_DECODE or len(entry.positions) != 1 or entry.rewind or entry.verify
+                or entry.top_logprobs is not None or entry.prefix_id is not None or task.drafter is not None
+                or task.top_logprobs is not None or task.forks or task.fork_from is not None
+                or not plain_greedy(task.sampling) or self._others_active()):
+            return 0
+        return min(task.max_tokens - task.generated, self.limits.max_context - entry.positions[0] - 1)
+
+    def _others_active(self) -> bool:
+        """Another session waits or runs (or the head closes): the scheduler's turn."""
+        return bool(self._waiting) or self._closed or sum(len(g) for g in self._groups) > 1
+
+    def _on_lone_token(self, task: Task) -> Callable[[int | None], bool]:
+        def on_token(token: int | None) -> bool:
+            """A token the lone generation fed on (its frame has left): taken as a step's would be."""
+            if token is not None:
+                self.steps += 1
+                task.samples += 1
+                self._take(task, token, fed_now=True)
+            self.flush_events()
+            return not (task.cancelled or self._others_active())
+        return on_token
 
     def _send_prompt_logprobs(self, task: Task) -> bool:
         """Emit the prompt's logprobs ahead of its first sampled token; False if some are missing."""

@@ -20,6 +20,8 @@ reports the broken edge as the Python path does).
 
 from __future__ import annotations
 
+import secrets
+
 from skippy_stage import tracing
 from skippy_stage.metrics import Tally
 from skippy_stage.model.runtime import decode_error
@@ -40,6 +42,8 @@ else:
     _IMPORT_ERROR = ""
 
 _UNSENT, _DECODE_FAILED = 1, 2  # run()'s status; 0: sent
+# lone()'s outcomes (frames.c's LONE_*)
+LONE_TOKEN, LONE_SETTLED, LONE_DECLINED, LONE_DECODE_FAILED, LONE_UNSENT, LONE_TIMEOUT = range(6)
 _MARKS = ("parsed", "d0", "d1", "s1")  # tracing's names for the C path's clock readings
 _INVALID, _VALID, _PLAIN_GREEDY = 0, 1, 2
 
@@ -152,7 +156,10 @@ class NativeHead:
     def __init__(self, stage, args: dict[str, object]) -> None:
         self._path = _frames.FramePath(**args, hop_timeout_s=stage.timeouts.hop_s, routes=None, classify=classify,
                                        stage_id=stage.config.stage_id.encode())
-        self._row_bytes = 4 * int(args["n_embd"])
+        self.row_bytes = 4 * int(args["n_embd"])
+        # Where a lone generation waits for its step's return (``ReturnBox`` settles it, the
+        # return listener hands it plain tokens).
+        self.wait = _frames.ReturnWait(n_vocab=int(args["n_vocab"]))
 
     def run(self, step: Step, downstream, *, relay: bool, timeout_s: float, tally: Tally) -> bool:
         """Decode ``step`` here and send its frame down ``downstream`` (the edge the caller read
@@ -176,8 +183,28 @@ class NativeHead:
             raise decode_error(rc, entries)
         if status == _UNSENT:
             raise hop.broke(link, "send failed")
-        tally.sent.append(("f32", entries * self._row_bytes))
+        tally.sent.append(("f32", entries * self.row_bytes))
         return True
+
+
+    def lone(self, step: Step, stage, downstream, link, *, timeout_s: float, limit: int, eog: bytes,
+             on_token) -> tuple | None:
+        """Run ``step`` (one plain decode entry) and the steps that follow it on each token that
+        comes back, in C (``FramePath.lone``: the outcomes and the limits are its); None (nothing
+        done) when the step is not one it can take."""
+        entry = step.entries[0] if len(step.entries) == 1 else None
+        if (entry is None or len(entry.positions) != 1 or entry.token_ids is None or len(entry.token_ids) != 1
+                or entry.rewind or entry.prefix_id is not None or entry.fork_of is not None
+                or not step.request_id.isascii() or len(step.request_id) > 200):
+            return None
+        request = codec.frame_to_pb(Frame(step=step, relay=False, timeout_s=timeout_s)).request
+        wire = request.entries[0]
+        position, token, draws = wire.positions[0], wire.token_ids[0], wire.draws_before
+        for name in ("positions", "token_ids", "draws_before"):
+            wire.ClearField(name)
+        return self._path.lone(self.wait, wire.SerializeToString(), step.request_id.encode(),
+                               secrets.token_hex(16).encode(), position, token, draws, limit, eog, timeout_s,
+                               link.sock, link.send_lock, stage.gate.passing(), stage, downstream, link, on_token)
 
 
 def _native_args(stage) -> dict[str, object] | None:

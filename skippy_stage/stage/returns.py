@@ -46,6 +46,9 @@ class ReturnBox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting: dict[str, HopFuture] = {}
+        # The head's lone generation (``native_frames.NativeHead.lone``) waits here under keys it
+        # makes itself; what is not one plain token for it settles it as a future would be.
+        self.lone = None  # a _frames.ReturnWait
 
     def expect(self, future: HopFuture) -> str:
         key = secrets.token_hex(16)  # as random as a UUID, without building one per step
@@ -65,18 +68,23 @@ class ReturnBox:
         """Settle the step waiting under ``key``; False if none waits (late, or unknown)."""
         with self._lock:
             future = self._waiting.pop(key, None)
-        return future is not None and future.settle(result=outputs)
+        if future is None:
+            return self.lone is not None and self.lone.settle(key, outputs)
+        return future.settle(result=outputs)
 
     def fail(self, key: str, error: DownstreamError) -> bool:
         with self._lock:
             future = self._waiting.pop(key, None)
-        return future is not None and future.settle(error=error)
+        if future is None:
+            return self.lone is not None and self.lone.settle(key, error)
+        return future.settle(error=error)
 
     def fail_all(self, error: DownstreamError) -> int:
         """An edge below broke: every step in flight is lost. Returns how many were waiting."""
         with self._lock:
             futures, self._waiting = list(self._waiting.values()), {}
-        return sum(f.settle(error=error) for f in futures)
+        lone = self.lone is not None and self.lone.settle(None, error)
+        return sum(f.settle(error=error) for f in futures) + lone
 
 
 class _Backoff:

@@ -41,17 +41,19 @@ from skippy_stage.errors import (
     UnknownSessionError,
 )
 from skippy_stage.metrics import StageMetrics, Tally
-from skippy_stage.model.runtime import KvPage, StageRuntime
+from skippy_stage.model.runtime import KvPage, StageRuntime, decode_error
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.security import Credentials
 from skippy_stage.stage import native_frames
 from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream, timeout_for
 from skippy_stage.stage.gate import EdgeGate
+from skippy_stage.stage.hops import TcpHop
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.returns import LocalReturn, ReturnBox, StreamReturn, TcpReturn
 from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import (
     Frame,
+    Output,
     Outputs,
     Reply,
     StageShape,
@@ -281,6 +283,8 @@ class Stage:
         self.runtime = runtime
         self.native = native_frames.for_stage(self)
         self.native_head = native_frames.for_head(self)
+        if self.native_head is not None:
+            self.returns.lone = self.native_head.wait
         m = self.metrics
         m.gauge_from("lanes_active", lambda: runtime.stats().active_sessions)
         m.gauge_from("lanes_idle", lambda: runtime.stats().idle_lanes)
@@ -569,6 +573,66 @@ class Stage:
             self.metrics.record(tally)  # what a failed step computed (empty once recorded after the send)
             if key:
                 self.returns.forget(key)
+
+    def process_lone(self, step: Step, remaining_s: float | None, *, on_token: Callable[[int | None], bool],
+                     limit: int, eog: bytes) -> Outputs:
+        """``process`` for the head's lone greedy generation: ``step`` (one plain decode entry)
+        and, on each token that comes back, the next step with it, in C
+        (``NativeHead.lone``), while fewer than ``limit`` tokens came back, none in ``eog`` and
+        ``on_token`` (called once a step's frame has left: None for the first, else the token it
+        fed) returns true. Returns the last step's outputs, or raises its error, as ``process``
+        would for that step; anything the C path cannot take runs through ``process``."""
+        native = self.native_head
+        downstream = self.downstream
+        hop = downstream.hop if isinstance(downstream, DownstreamClient) else None
+        link = hop.plain_link if isinstance(hop, TcpHop) else None
+        if native is None or link is None or step.return_key:
+            return self.process(step, remaining_s, on_sent=lambda: on_token(None))
+        timeout = downstream.timeout_for(remaining_s)
+        entry = step.entries[0]
+        sessions = [entry.session_id]
+        tally = Tally()
+        try:
+            done = native.lone(step, self, downstream, link, timeout_s=timeout, limit=limit, eog=eog,
+                               on_token=on_token)
+            if done is None:
+                return self.process(step, remaining_s, on_sent=lambda: on_token(None))
+            how, value, steps, computes, hops, final_id = done
+            for compute_s in computes:
+                tally.computes.append((compute_s, 1, 1, []))
+                tally.sent.append(("f32", native.row_bytes))
+            tally.native += len(computes)
+            for seconds in hops:
+                self.metrics.hop_seconds.observe(seconds)
+            taken = len(hops) - (how != native_frames.LONE_TOKEN)
+            if taken > 0:
+                self.metrics.returns(path="direct").inc(taken)
+            if how == native_frames.LONE_TOKEN:
+                return Outputs(outputs=[Output(session_id=entry.session_id, token=value)], final_stage_id=final_id or "")
+            if how == native_frames.LONE_SETTLED:
+                if isinstance(value, BaseException):
+                    raise value
+                return value
+            if how == native_frames.LONE_DECLINED:
+                if not steps:
+                    return self.process(step, remaining_s, on_sent=lambda: on_token(None))
+                position = entry.positions[0] + steps
+                rest = Step(request_id=f"{step.request_id}+{steps}", entries=[dataclasses.replace(
+                    entry, positions=range(position, position + 1), token_ids=[value],
+                    draws_before=entry.draws_before + steps)])
+                return self.process(rest, remaining_s, on_sent=lambda: on_token(value))
+            if how == native_frames.LONE_DECODE_FAILED:
+                raise decode_error(value, 1)
+            if how == native_frames.LONE_UNSENT:
+                raise hop.broke(link, "send failed")
+            raise DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
+                                  f"outputs did not arrive within {timeout:.3f}s", stage_id=downstream.peer.stage_id,
+                                  code_name="DEADLINE_EXCEEDED")
+        except SkippyError as exc:
+            self._failed(exc, sessions, step.request_id)
+            raise
+        finally:
+            self.metrics.record(tally)
 
     def _native_step(self, step: Step, downstream, outcome: HopFuture, *, relay: bool, timeout_s: float,
                      tally: Tally) -> bool:

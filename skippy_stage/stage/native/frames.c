@@ -28,6 +28,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -674,21 +675,37 @@ static double forward_timeout(const FramePath *self, double remaining) {
  *   time. marks: wall-clock ns when the frame was parsed, llama_decode started, the outputs were
  *   ready, the send returned (0: not reached). key: the return key an inner stage routed (None at
  *   the final stage and the head). */
+static PyObject *run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObject *send_lock, PyObject *sink);
+
 static PyObject *FramePath_run(FramePath *self, PyObject *args) {
     Py_buffer body;
     PyObject *sock, *send_lock, *sink;
     if (!PyArg_ParseTuple(args, "y*OOO", &body, &sock, &send_lock, &sink)) return NULL;
     frame_t *fr = PyMem_Malloc(sizeof(frame_t));
-    float *forward_rows = NULL;
     if (fr == NULL) {
         PyBuffer_Release(&body);
         return PyErr_NoMemory();
     }
+    fr->n = 0;
+    PyObject *result;
+    if (parse_frame(self, body.buf, (size_t)body.len, fr)) {
+        result = run_frame(self, fr, sock, send_lock, sink);
+    } else {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyMem_Free(fr);
+    PyBuffer_Release(&body);
+    return result;
+}
+
+/* ``run``'s work on a parsed frame (whose bytes stay alive meanwhile): the same result. The
+ * entries' Python objects are released; ``fr`` itself stays the caller's. */
+static PyObject *run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObject *send_lock, PyObject *sink) {
+    float *forward_rows = NULL;
     PyObject *result = NULL, *key_obj = NULL;
     uint8_t *msg = NULL;
     int locked = 0, lanes_locked = 0;
-    fr->n = 0;
-    if (!parse_frame(self, body.buf, (size_t)body.len, fr)) goto decline;
     uint64_t arrived = now_unix_ns();
     double latency = fr->sent_ns ? (arrived > fr->sent_ns ? (double)(arrived - fr->sent_ns) * 1e-9 : 0.0) : -1.0;
     const float *rows = (const float *)fr->payload;
@@ -881,8 +898,434 @@ done:
     PyMem_Free(msg);
     PyMem_Free(forward_rows);
     release_entries(fr);
-    PyMem_Free(fr);
+    return result;
+}
+
+/* -- the head's lone greedy generation -------------------------------------------------------------
+ *
+ * One session alone at the head, decoding greedily, one plain token a step: what the scheduler's
+ * Python would do between its steps is fixed (the token that came back is the next step's input),
+ * so ``lone`` runs the steps back to back in C on the scheduler's thread — the head's layers, the
+ * frame sent, the return awaited — and hands each token to the scheduler's bookkeeping only after
+ * the next frame has left (``on_token``: the client's stream, off the token's path). The return
+ * listener hands the token over in C (``ReturnWait.take``); an error for the step in flight, a
+ * return that is not one plain token, or a broken link settles the wait from Python
+ * (``ReturnWait.settle``), and the loop gives the scheduler that outcome as the step's. It stops
+ * at a token the scheduler must see (an end of generation, the length or context reached) or when
+ * ``on_token`` says so (another session came, the task was cancelled), after the step in flight. */
+
+enum { W_IDLE, W_WAITING, W_TOKEN, W_SETTLED };
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cond; /* on CLOCK_MONOTONIC */
+    int ready;
+    int state;           /* W_*: written with the GIL held and under mu; the waiter reads it under mu */
+    char key[MAX_KEY];   /* the awaited step's return key */
+    size_t key_len;
+    char sid[MAX_ID];    /* its session */
+    size_t sid_len;
+    int n_vocab;
+    int32_t token;
+    PyObject *final_id;  /* str: the stage the last token came from */
+    PyObject *settled;   /* what ``settle`` gave */
+} ReturnWait;
+
+static int ReturnWait_init(ReturnWait *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"n_vocab", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i", names, &self->n_vocab)) return -1;
+    if (self->n_vocab <= 0) {
+        PyErr_SetString(PyExc_ValueError, "ReturnWait: n_vocab must be positive");
+        return -1;
+    }
+    if (!self->ready) {
+        pthread_condattr_t attr;
+        pthread_condattr_init(&attr);
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+        pthread_cond_init(&self->cond, &attr);
+        pthread_condattr_destroy(&attr);
+        pthread_mutex_init(&self->mu, NULL);
+        self->ready = 1;
+    }
+    return 0;
+}
+
+static void ReturnWait_dealloc(ReturnWait *self) {
+    if (self->ready) {
+        pthread_cond_destroy(&self->cond);
+        pthread_mutex_destroy(&self->mu);
+    }
+    Py_XDECREF(self->final_id);
+    Py_XDECREF(self->settled);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static void wait_move(ReturnWait *self, int state) {
+    pthread_mutex_lock(&self->mu);
+    self->state = state;
+    pthread_cond_broadcast(&self->cond);
+    pthread_mutex_unlock(&self->mu);
+}
+
+static int key_matches(ReturnWait *self, const uint8_t *key, size_t key_len) {
+    return key_len == self->key_len && !memcmp(key, self->key, key_len);
+}
+
+/* One EntryOutput holding a token and nothing else (no logits, samples or logprobs): 1, else 0. */
+static int parse_plain_output(const uint8_t *s, size_t n, const uint8_t **sid, size_t *sid_len, int64_t *token) {
+    rd_t r = {s, s + n};
+    int seen_sid = 0, seen_token = 0;
+    uint64_t has = 0;
+    while (r.p < r.end) {
+        uint32_t f, wt;
+        uint64_t v;
+        if (!rd_key(&r, &f, &wt)) return 0;
+        if (f == 1 && wt == 2) {
+            if (seen_sid++ || !rd_bytes(&r, sid, sid_len)) return 0;
+        } else if (f == 2 && wt == 0) {
+            if (!rd_varint(&r, &has)) return 0;
+        } else if (f == 3 && wt == 0) {
+            if (seen_token++ || !rd_varint(&r, &v)) return 0;
+            *token = (int64_t)(int32_t)(uint32_t)v;
+        } else {
+            return 0;
+        }
+    }
+    return seen_sid && has == 1 && seen_token;
+}
+
+/* take(body) -> True: ``body`` (a ReturnedBatch's bytes) is the awaited step's one plain token,
+ * now handed to the waiting loop; False: not that (nothing touched; the Python path reads it). */
+static PyObject *ReturnWait_take(ReturnWait *self, PyObject *arg) {
+    Py_buffer body;
+    if (PyObject_GetBuffer(arg, &body, PyBUF_SIMPLE) < 0) return NULL;
+    int taken = 0;
+    if (self->state != W_WAITING) goto out;
+    rd_t r = {body.buf, (const uint8_t *)body.buf + body.len};
+    const uint8_t *key = NULL, *resp = NULL, *out = NULL, *final_id = NULL, *sid = NULL;
+    size_t key_len = 0, resp_len = 0, out_len = 0, final_len = 0, sid_len = 0;
+    int seen_key = 0, seen_resp = 0, n_out = 0, seen_final = 0;
+    while (r.p < r.end) {
+        uint32_t f, wt;
+        const uint8_t *b;
+        size_t n;
+        if (!rd_key(&r, &f, &wt) || wt != 2 || !rd_bytes(&r, &b, &n)) goto out;
+        if (f == 1 && !seen_key++) {
+            key = b;
+            key_len = n;
+        } else if (f == 2 && !seen_resp++) {
+            resp = b;
+            resp_len = n;
+        } else {
+            goto out;
+        }
+    }
+    if (!seen_key || !seen_resp || !key_matches(self, key, key_len)) goto out;
+    rd_t q = {resp, resp + resp_len};
+    while (q.p < q.end) {
+        uint32_t f, wt;
+        const uint8_t *b;
+        size_t n;
+        if (!rd_key(&q, &f, &wt) || wt != 2 || !rd_bytes(&q, &b, &n)) goto out;
+        if (f == 1) {
+            n_out++;
+            out = b;
+            out_len = n;
+        } else if (f == 2 && !seen_final++) {
+            final_id = b;
+            final_len = n;
+        } else {
+            goto out;
+        }
+    }
+    int64_t token = -1;
+    if (n_out != 1 || !parse_plain_output(out, out_len, &sid, &sid_len, &token) || token < 0
+        || token >= self->n_vocab || sid_len != self->sid_len || memcmp(sid, self->sid, sid_len)
+        || final_len > MAX_ID || (final_id != NULL && !ascii(final_id, final_len)))
+        goto out;
+    PyObject *final = PyUnicode_FromStringAndSize(final_id == NULL ? "" : (const char *)final_id, (Py_ssize_t)final_len);
+    if (final == NULL) {
+        PyBuffer_Release(&body);
+        return NULL;
+    }
+    Py_XSETREF(self->final_id, final);
+    self->token = (int32_t)token;
+    wait_move(self, W_TOKEN);
+    taken = 1;
+out:
     PyBuffer_Release(&body);
+    return PyBool_FromLong(taken);
+}
+
+/* settle(key, value) -> True: the step awaited under ``key`` (None: whatever step is awaited —
+ * a broken link loses them all) ends with ``value`` (its Outputs, or the exception to raise);
+ * False: no step is awaited under it here. */
+static PyObject *ReturnWait_settle(ReturnWait *self, PyObject *args) {
+    PyObject *key, *value;
+    if (!PyArg_ParseTuple(args, "OO", &key, &value)) return NULL;
+    if (self->state != W_WAITING) Py_RETURN_FALSE;
+    if (key != Py_None) {
+        Py_ssize_t n;
+        const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &n) : NULL;
+        if (k == NULL) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (!key_matches(self, (const uint8_t *)k, (size_t)n)) Py_RETURN_FALSE;
+    }
+    Py_INCREF(value);
+    Py_XSETREF(self->settled, value);
+    wait_move(self, W_SETTLED);
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef ReturnWait_methods[] = {
+    {"take", (PyCFunction)ReturnWait_take, METH_O,
+     "take(body) -> bool: the awaited step's plain token handed to the waiting loop"},
+    {"settle", (PyCFunction)ReturnWait_settle, METH_VARARGS,
+     "settle(key or None, value) -> bool: the awaited step ends with value (Outputs or an exception)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ReturnWaitType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._frames.ReturnWait",
+    .tp_basicsize = sizeof(ReturnWait),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ReturnWait_init,
+    .tp_dealloc = (destructor)ReturnWait_dealloc,
+    .tp_methods = ReturnWait_methods,
+    .tp_doc = "Where the head's lone generation waits for its step's return.",
+};
+
+enum { LONE_TOKEN, LONE_SETTLED, LONE_DECLINED, LONE_DECODE_FAILED, LONE_UNSENT, LONE_TIMEOUT };
+
+static int gate_exit(PyObject *gate_pass) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallMethod(gate_pass, "__exit__", "OOO", Py_None, Py_None, Py_None);
+    Py_XDECREF(r);
+    if (r == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    PyErr_Restore(type, value, tb);
+    return 0;
+}
+
+/* 1: ``stage.downstream`` is still ``downstream`` and its hop's link ``link``; 0: not; -1: error. */
+static int same_edge(PyObject *stage, PyObject *downstream, PyObject *link) {
+    PyObject *d = PyObject_GetAttrString(stage, "downstream");
+    if (d == NULL) return -1;
+    int same = d == downstream;
+    Py_DECREF(d);
+    if (!same) return 0;
+    PyObject *hop = PyObject_GetAttrString(downstream, "hop");
+    if (hop == NULL) return -1;
+    PyObject *l = PyObject_GetAttrString(hop, "_link");
+    Py_DECREF(hop);
+    if (l == NULL) return -1;
+    same = l == link;
+    Py_DECREF(l);
+    return same;
+}
+
+/* lone(wait, template, request_id, key_prefix, position, token, draws, limit, eog, timeout_s, sock,
+ *      send_lock, gate_pass, stage, downstream, link, on_token)
+ *   -> (how, value, steps, computes, hops, final_stage_id)
+ * Steps of one session from ``position`` on: the entry ``template`` (a BatchEntry without
+ * positions, token_ids and draws_before) fed ``token``, then each token that comes back, while
+ * fewer than ``limit`` tokens came back, none of them in ``eog`` (int32s), and ``on_token`` (called
+ * once a step's frame has left: None for the first step, else the token it fed) returns true.
+ * how LONE_TOKEN: ``value`` the last token, which the caller takes; LONE_SETTLED: the last step's
+ * outcome as ``settle`` gave it; LONE_DECLINED: ``value`` the token whose step the C path declined
+ * (nothing of it done: the caller runs it); LONE_DECODE_FAILED: llama_decode's code;
+ * LONE_UNSENT: the send failed; LONE_TIMEOUT: no return within ``timeout_s`` (+50 ms).
+ * ``steps``: frames sent; ``computes`` and ``hops``: seconds each step's compute and return took. */
+static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
+    ReturnWait *wait;
+    PyObject *template, *request, *prefix, *eog, *sock, *send_lock, *gate_pass, *stage, *downstream, *link, *on_token;
+    long long position;
+    int token;
+    unsigned long long draws;
+    long limit;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "O!SSSLiKlSdOOOOOOO", &ReturnWaitType, &wait, &template, &request, &prefix, &position,
+                          &token, &draws, &limit, &eog, &timeout, &sock, &send_lock, &gate_pass, &stage, &downstream,
+                          &link, &on_token))
+        return NULL;
+    if (!self->head || PyBytes_GET_SIZE(template) > 4096 || PyBytes_GET_SIZE(request) > 200
+        || PyBytes_GET_SIZE(prefix) > 40 || PyBytes_GET_SIZE(eog) % 4 || limit < 1 || position < 0) {
+        PyErr_SetString(PyExc_ValueError, "FramePath.lone: the head's path only, a template of at most 4096 bytes, "
+                                          "request_id <= 200 and key_prefix <= 40 bytes, eog int32s, limit >= 1");
+        return NULL;
+    }
+    if (wait->state != W_IDLE) {
+        PyErr_SetString(PyExc_RuntimeError, "FramePath.lone: its ReturnWait is in use");
+        return NULL;
+    }
+    size_t tlen = (size_t)PyBytes_GET_SIZE(template);
+    uint8_t *entry = PyMem_Malloc(tlen + 40);
+    frame_t *fr = PyMem_Malloc(sizeof(frame_t));
+    PyObject *computes = PyList_New(0), *hops = PyList_New(0), *result = NULL, *value = NULL;
+    if (entry == NULL || fr == NULL || computes == NULL || hops == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    const int32_t *eogs = (const int32_t *)PyBytes_AS_STRING(eog);
+    Py_ssize_t n_eog = PyBytes_GET_SIZE(eog) / 4;
+    memcpy(entry, PyBytes_AS_STRING(template), tlen);
+    char req[232];
+    int how = -1;
+    long steps = 0;
+    for (;;) {
+        PyObject *r = PyObject_CallMethod(gate_pass, "__enter__", NULL);
+        if (r == NULL) goto out;
+        Py_DECREF(r);
+        int same = same_edge(stage, downstream, link);
+        if (same <= 0) {
+            if (gate_exit(gate_pass) < 0 || same < 0) goto out;
+            how = LONE_DECLINED;
+            value = PyLong_FromLong(token);
+            break;
+        }
+        /* this step's entry, request id and return key */
+        uint8_t *end = entry + tlen;
+        *end++ = 3 << 3;
+        end = put_varint(end, (uint64_t)position);
+        *end++ = 4 << 3;
+        end = put_varint(end, (uint64_t)(uint32_t)token);
+        *end++ = (uint8_t)(16 << 3 | 0x80); /* field 16, varint: a two-byte key */
+        *end++ = 1;
+        end = put_varint(end, draws);
+        memset(fr, 0, offsetof(frame_t, entries));
+        if (!parse_entry(entry, (size_t)(end - entry), &fr->entries[0], 0) || fr->entries[0].n_tok != 1) {
+            if (gate_exit(gate_pass) < 0) goto out;
+            how = LONE_DECLINED;
+            value = PyLong_FromLong(token);
+            break;
+        }
+        const entry_t *e = &fr->entries[0];
+        int req_len = steps == 0 ? snprintf(req, sizeof req, "%s", PyBytes_AS_STRING(request))
+                                 : snprintf(req, sizeof req, "%s+%ld", PyBytes_AS_STRING(request), steps);
+        wait->key_len = (size_t)snprintf(wait->key, sizeof wait->key, "%s.%ld", PyBytes_AS_STRING(prefix), steps);
+        memcpy(wait->sid, e->sid, e->sid_len);
+        wait->sid_len = e->sid_len;
+        fr->n = 1;
+        fr->timeout_s = timeout;
+        fr->request_id = (const uint8_t *)req;
+        fr->request_id_len = (size_t)req_len;
+        fr->key = (const uint8_t *)wait->key;
+        fr->key_len = wait->key_len;
+        wait_move(wait, W_WAITING); /* before the send: its return may come before run_frame ends */
+        PyObject *done = run_frame(self, fr, sock, send_lock, Py_None);
+        double sent_at = now_monotonic();
+        if (gate_exit(gate_pass) < 0 || done == NULL) {
+            Py_XDECREF(done);
+            wait_move(wait, W_IDLE);
+            goto out;
+        }
+        if (done == Py_None) {
+            Py_DECREF(done);
+            wait_move(wait, W_IDLE);
+            how = LONE_DECLINED;
+            value = PyLong_FromLong(token);
+            break;
+        }
+        int status = (int)PyLong_AsLong(PyTuple_GET_ITEM(done, 0));
+        int rc = (int)PyLong_AsLong(PyTuple_GET_ITEM(done, 1));
+        if (PyList_Append(computes, PyTuple_GET_ITEM(done, 2)) < 0) {
+            Py_DECREF(done);
+            wait_move(wait, W_IDLE);
+            goto out;
+        }
+        Py_DECREF(done);
+        if (status != 0) {
+            wait_move(wait, W_IDLE);
+            how = status == 2 ? LONE_DECODE_FAILED : LONE_UNSENT;
+            value = PyLong_FromLong(rc);
+            break;
+        }
+        steps++;
+        /* the token this frame fed goes to its handler now that the frame has left */
+        PyObject *fed = steps == 1 ? Py_None : PyLong_FromLong(token);
+        if (fed == NULL) {
+            wait_move(wait, W_IDLE);
+            goto out;
+        }
+        if (steps == 1) Py_INCREF(fed);
+        PyObject *go = PyObject_CallOneArg(on_token, fed);
+        Py_DECREF(fed);
+        int proceed = go == NULL ? -1 : PyObject_IsTrue(go);
+        Py_XDECREF(go);
+        if (proceed < 0) {
+            wait_move(wait, W_IDLE);
+            goto out;
+        }
+        int state;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        double t = timeout + 0.05, whole = floor(t);
+        until.tv_sec += (time_t)whole;
+        until.tv_nsec += (long)((t - whole) * 1e9);
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        pthread_mutex_lock(&wait->mu);
+        while (wait->state == W_WAITING)
+            if (pthread_cond_timedwait(&wait->cond, &wait->mu, &until) == ETIMEDOUT) break;
+        state = wait->state;
+        pthread_mutex_unlock(&wait->mu);
+        Py_END_ALLOW_THREADS
+        PyObject *hop = PyFloat_FromDouble(now_monotonic() - sent_at);
+        if (hop == NULL || PyList_Append(hops, hop) < 0) {
+            Py_XDECREF(hop);
+            wait_move(wait, W_IDLE);
+            goto out;
+        }
+        Py_DECREF(hop);
+        if (state == W_TOKEN) {
+            int32_t next = wait->token;
+            wait_move(wait, W_IDLE);
+            int end_of_generation = 0;
+            for (Py_ssize_t i = 0; i < n_eog; i++)
+                if (eogs[i] == next) end_of_generation = 1;
+            if (steps >= limit || end_of_generation || !proceed) {
+                how = LONE_TOKEN;
+                value = PyLong_FromLong(next);
+                break;
+            }
+            token = next;
+            position++;
+            draws++;
+            continue;
+        }
+        if (state == W_SETTLED) {
+            how = LONE_SETTLED;
+            value = wait->settled;
+            wait->settled = NULL;
+            wait_move(wait, W_IDLE);
+            break;
+        }
+        wait_move(wait, W_IDLE); /* the time ran out */
+        how = LONE_TIMEOUT;
+        value = Py_None;
+        Py_INCREF(value);
+        break;
+    }
+    if (value == NULL) goto out;
+    result = Py_BuildValue("(iNlOOO)", how, value, steps, computes, hops,
+                           wait->final_id != NULL ? wait->final_id : Py_None);
+out:
+    PyMem_Free(entry);
+    PyMem_Free(fr);
+    Py_XDECREF(computes);
+    Py_XDECREF(hops);
     return result;
 }
 
@@ -954,6 +1397,9 @@ static void FramePath_dealloc(FramePath *self) {
 static PyMethodDef FramePath_methods[] = {
     {"run", (PyCFunction)FramePath_run, METH_VARARGS,
      "run(body, sock, send_lock, sink): the frame decoded and its output sent, or None (declined)"},
+    {"lone", (PyCFunction)FramePath_lone, METH_VARARGS,
+     "lone(wait, template, request_id, key_prefix, position, token, draws, limit, eog, timeout_s, sock, send_lock, "
+     "gate_pass, stage, downstream, link, on_token) -> (how, value, steps, computes, hops, final_stage_id)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -971,12 +1417,18 @@ static PyTypeObject FramePathType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", NULL, -1, NULL};
 
 PyMODINIT_FUNC PyInit__frames(void) {
-    if (PyType_Ready(&FramePathType) < 0) return NULL;
+    if (PyType_Ready(&FramePathType) < 0 || PyType_Ready(&ReturnWaitType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&FramePathType);
     if (PyModule_AddObject(m, "FramePath", (PyObject *)&FramePathType) < 0) {
         Py_DECREF(&FramePathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ReturnWaitType);
+    if (PyModule_AddObject(m, "ReturnWait", (PyObject *)&ReturnWaitType) < 0) {
+        Py_DECREF(&ReturnWaitType);
         Py_DECREF(m);
         return NULL;
     }
