@@ -327,6 +327,10 @@ class StageConfig:
     # links; at the final stage greedy sampling) in compiled code rather than Python; every other
     # frame runs the Python path.
     native_frames: bool = True
+    # Head: one greedy session alone runs its plain decode steps back to back in compiled code,
+    # the scheduler seeing each token after the next step has left (with native_frames and a
+    # plain TCP link below; ``Stage.process_lone``).
+    lone_steps: bool = True
     # The TCP frame listener's port on bind_addr's host (hop_transport "tcp"); unset: any free
     # port, which the stage advertises in GetStatus (fix it where a firewall or Service must know).
     frame_port: int | None = None
@@ -697,7 +701,7 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.cache_idle_slots is not None and cfg.cache_idle_slots > cfg.lane_count:
         raise _fail(cfg, "cache_idle_slots", cfg.cache_idle_slots, f"must be <= lane_count={cfg.lane_count}")
     for name in ("mlock", "direct_io", "repack", "check_tensors", "no_host_buffer", "kv_offload", "kv_unified",
-                 "swa_full", "native_frames"):
+                 "swa_full", "native_frames", "lone_steps"):
         _require_bool(cfg, name)
     for name in ("mmap", "op_offload"):
         _require_bool(cfg, name, optional=True)

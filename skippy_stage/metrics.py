@@ -114,6 +114,9 @@ class StageMetrics:
                                         ["failed_stage"], registry=r)
         self.native_frames = Counter("skippy_native_frames", "Frames this stage ran in compiled code (plain "
                                      "decode frames; every other frame runs in Python)", registry=r)
+        self.lone_steps = Counter("skippy_lone_steps", "The head's decode steps of a lone greedy generation run back "
+                                  "to back in compiled code, the scheduler seeing each token after the next step left",
+                                  registry=r)
         self.returns = lru_cache(Counter("skippy_returns", "Batch outputs at the head, by the copy that settled the step "
                                "(direct: straight from the final stage; relay: back up through the stages) or, at "
                                "the final stage, how they left (sent: straight to the head; relayed: up the edge)",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import codecs
-import os
 import dataclasses
 import queue
 import uuid
@@ -194,7 +193,7 @@ class Generator:
     def _lone(stage: Stage, runtime: StageRuntime):
         """The head's lone greedy generation in C (``Stage.process_lone``), where the head's steps
         run in C; else None (every step through ``Stage.process``)."""
-        if stage.native_head is None or os.environ.get("SKIPPY_NO_LONE"):
+        if stage.native_head is None or not stage.config.lone_steps:
             return None
         tokenizer = runtime.tokenizer
         eog = array.array("i", [t for t in range(tokenizer.n_vocab) if tokenizer.is_eog(t)]).tobytes()

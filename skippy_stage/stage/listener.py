@@ -23,7 +23,7 @@ import structlog
 
 from skippy_stage import tracing
 from skippy_stage.errors import ConfigError, InvalidRequestError
-from skippy_stage.stage import codec, framing
+from skippy_stage.stage import codec, framing, native_frames
 from skippy_stage.stage.stage import Stage, error_reply
 from skippy_stage.stage.steps import Reply
 from skippy_stage.v1 import stage_pb2 as pb
@@ -183,12 +183,11 @@ class FrameListener:
     def _returns(self, link: framing.FrameSocket) -> None:
         """The final stage's outputs, straight to the head's waiting steps."""
         returns = self.stage.returns
+        # A plain link is read in C, where the lone generation's tokens are taken without the GIL.
+        reader = native_frames.return_reader(link) if returns.lone is not None else None
         while True:
-            kind, body = link.receive()
+            kind, body = link.receive() if reader is None else native_frames.read(reader, returns.lone)
             tracing.mark("rrecv")
-            # The head's lone generation takes its plain tokens here, in C (it counts them).
-            if kind == framing.Kind.RETURNED_BATCH and returns.lone is not None and returns.lone.take(body):
-                continue
             try:
                 batch = framing.parse(kind, body, framing.Kind.RETURNED_BATCH)
             except InvalidRequestError as exc:

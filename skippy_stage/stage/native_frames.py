@@ -21,8 +21,10 @@ reports the broken edge as the Python path does).
 from __future__ import annotations
 
 import secrets
+import threading
 
 from skippy_stage import tracing
+from skippy_stage.errors import InvalidRequestError
 from skippy_stage.metrics import Tally
 from skippy_stage.model.runtime import decode_error
 from skippy_stage.model.sampling import plain_greedy
@@ -160,6 +162,7 @@ class NativeHead:
         # Where a lone generation waits for its step's return (``ReturnBox`` settles it, the
         # return listener hands it plain tokens).
         self.wait = _frames.ReturnWait(n_vocab=int(args["n_vocab"]))
+        self._lone_lock = threading.Lock()  # one lone run at a time (two scheduler workers may try)
 
     def run(self, step: Step, downstream, *, relay: bool, timeout_s: float, tally: Tally) -> bool:
         """Decode ``step`` here and send its frame down ``downstream`` (the edge the caller read
@@ -202,9 +205,37 @@ class NativeHead:
         position, token, draws = wire.positions[0], wire.token_ids[0], wire.draws_before
         for name in ("positions", "token_ids", "draws_before"):
             wire.ClearField(name)
-        return self._path.lone(self.wait, wire.SerializeToString(), step.request_id.encode(),
-                               secrets.token_hex(16).encode(), position, token, draws, limit, eog, timeout_s,
-                               link.sock, link.send_lock, stage.gate.passing(), stage, downstream, link, on_token)
+        if not self._lone_lock.acquire(blocking=False):
+            return None
+        try:
+            return self._path.lone(self.wait, wire.SerializeToString(), step.request_id.encode(),
+                                   secrets.token_hex(16).encode(), position, token, draws, limit, eog, timeout_s,
+                                   link.sock, link.send_lock, stage.gate.passing(), stage, downstream, link, on_token)
+        finally:
+            self._lone_lock.release()
+
+
+def return_reader(link: framing.FrameSocket):
+    """A C reader of the head's return ``link`` (a _frames.FrameReader) where it is plain and
+    the native path is built; else None (the link reads itself). The reader takes over what the
+    link had buffered; from then on only it reads the link."""
+    if _frames is None or framing.plain(link) is None:
+        return None
+    reader = _frames.FrameReader(link.sock.fileno(), link.max_message_bytes, bytes(link._inbox))
+    link._inbox.clear()
+    return reader
+
+
+def read(reader, wait) -> tuple[int, bytes]:
+    """The next message on a return link that ``wait`` (the lone generation's ReturnWait, or None)
+    did not take; raises as ``FrameSocket.receive`` does."""
+    got = reader.next(wait)
+    if got is None:
+        raise framing.LinkClosed("closed by the peer")
+    kind, body = got
+    if kind == 0:
+        raise InvalidRequestError(body)
+    return kind, body
 
 
 def _native_args(stage) -> dict[str, object] | None:

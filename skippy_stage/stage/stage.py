@@ -602,6 +602,7 @@ class Stage:
                 tally.computes.append((compute_s, 1, 1, []))
                 tally.sent.append(("f32", native.row_bytes))
             tally.native += len(computes)
+            self.metrics.lone_steps.inc(steps)
             for seconds in hops:
                 self.metrics.hop_seconds.observe(seconds)
             taken = len(hops) - (how != native_frames.LONE_TOKEN)

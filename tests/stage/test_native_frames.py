@@ -17,6 +17,7 @@ import random
 import socket
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -24,11 +25,13 @@ from support.chain import Chain, split_configs
 from support.pipeline import assert_no_active_sessions, grpc_generate, metric, reference_texts, scrape, status
 
 from skippy_stage.cli.local import free_ports
+from skippy_stage.errors import DownstreamError
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.security import Credentials
 from skippy_stage.stage import framing, native_frames
 from skippy_stage.stage.codec import sampling_to_pb
+from skippy_stage.stage.gate import EdgeGate
 from skippy_stage.stage.stage import Routes
 from skippy_stage.v1 import stage_pb2 as pb
 
@@ -387,6 +390,212 @@ def test_head_steps_it_cannot_prove_plain_are_declined_and_touch_nothing(chain3,
         assert not link.pending()
     finally:
         head.drop_session("s")
+
+
+# -- the head's lone generation (``FramePath.lone``) -----------------------------------------------
+
+
+class Edge:
+    """What the lone loop checks each step is still the head's edge: ``stage.downstream`` and its
+    hop's link (identity only)."""
+
+    def __init__(self, link: ReturnLink) -> None:
+        self.link = link
+        self.downstream = types.SimpleNamespace(hop=types.SimpleNamespace(_link=link))
+        self.stage = types.SimpleNamespace(downstream=self.downstream)
+
+
+def returned(key: str, session: str, token: int, *, extra: dict | None = None) -> bytes:
+    out = pb.EntryOutput(session_id=session, has_token=True, token=token, **(extra or {}))
+    return pb.ReturnedBatch(return_key=key, response=pb.IterationBatchResponse(
+        outputs=[out], final_stage_id="stage-final")).SerializeToString()
+
+
+class Below:
+    """The stages below the head on the other end of the link: reads each frame the loop sends
+    and answers it through the head's ReturnWait — ``answer(request)`` returns the return's
+    bytes (handed over with ``take``), an exception or Outputs (``settle``), or None (silence)."""
+
+    def __init__(self, link: ReturnLink, wait, answer) -> None:
+        self.link, self.wait, self.answer = link, wait, answer
+        self.frames: list[pb.HopRequest] = []
+        self.taken: list[bool] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                kind, raw = self.link.head.receive()
+            except (framing.LinkClosed, OSError):
+                return
+            frame = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
+            self.frames.append(frame)
+            reply = self.answer(frame.request)
+            if isinstance(reply, bytes):
+                self.taken.append(self.wait.take(reply))
+            elif reply is not None:
+                self.taken.append(self.wait.settle(frame.request.return_key, reply))
+
+
+def lone(head_path, edge: Edge, wait, entry: bytes, position: int, token: int, *, limit: int = 100,
+         eog: tuple[int, ...] = (), timeout_s: float = 5.0, on_token=lambda token: True):
+    return head_path.lone(wait, entry, b"step-7", b"run", position, token, position, limit,
+                          np.asarray(eog, dtype=np.int32).tobytes(), timeout_s, edge.link.ours, edge.link.lock,
+                          EdgeGate().passing(), edge.stage, edge.downstream, edge.link, on_token)
+
+
+def lone_entry(session: str) -> bytes:
+    return pb.BatchEntry(session_id=session, phase=pb.PHASE_DECODE, sample_last=True,
+                         sampling=sampling_to_pb(None)).SerializeToString()
+
+
+@pytest.fixture
+def lone_head(chain3):
+    """The head with the prompt in sessions "py" (the Python path's) and "lone"; its next position."""
+    head = chain3.stages[0]
+    tokens = head.tokenizer.tokenize(PROMPT)
+    for session in ("py", "lone"):
+        head_rows(head, session, range(len(tokens)), tokens)
+    yield head, len(tokens)
+    for session in ("py", "lone"):
+        head.drop_session(session)
+
+
+def test_a_lone_run_feeds_each_returned_token_to_the_next_step_until_its_limit(chain3, head_path, lone_head, link):
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+    script = iter([101, 102, 103, 104])
+    below = Below(link, wait, lambda request: returned(request.return_key, "lone", next(script)))
+    fed: list[int | None] = []
+    how, value, steps, computes, hops, final_id = lone(
+        head_path, Edge(link), wait, lone_entry("lone"), pos, 42, limit=3, on_token=lambda t: fed.append(t) or True)
+    assert (how, value, steps, final_id) == (native_frames.LONE_TOKEN, 103, 3, "stage-final")
+    assert fed == [None, 101, 102]  # each token once the frame that fed it has left
+    assert len(computes) == len(hops) == 3 and below.taken == [True, True, True]
+    for step, (frame, token) in enumerate(zip(below.frames, [42, 101, 102])):
+        expected = head_rows(head, "py", [pos + step], [token])
+        assert np.array_equal(np.frombuffer(frame.request.frame.payload, dtype=np.float32).reshape(1, N_EMBD),
+                              expected)
+        (entry,) = frame.request.entries
+        assert (list(entry.positions), list(entry.token_ids), entry.draws_before) == ([pos + step], [token], pos + step)
+        assert frame.request.request_id == ("step-7" if step == 0 else f"step-7+{step}")
+    keys = [f.request.return_key for f in below.frames]
+    assert len(set(keys)) == 3 and all(k.startswith("run.") for k in keys)
+    assert head.lanes.lane_of("lone").n_tokens == head.lanes.lane_of("py").n_tokens == pos + 3
+
+
+def test_a_lone_run_stops_after_an_end_of_generation_token_or_when_told(chain3, head_path, lone_head, link):
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+    Below(link, wait, lambda request: returned(request.return_key, "lone", 2 if request.entries[0].positions[0]
+                                              == pos + 1 else 9))
+    done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42, eog=(2,))
+    assert done[:3] == (native_frames.LONE_TOKEN, 2, 2)
+    # told to stop: the step in flight still comes back, and its token is the caller's
+    done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos + 2, 42, on_token=lambda t: False)
+    assert done[:3] == (native_frames.LONE_TOKEN, 9, 1)
+
+
+def test_what_settles_the_awaited_step_ends_the_run_with_it(chain3, head_path, lone_head, link):
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+    failure = DownstreamError("stage-final failed", stage_id="stage-final", code_name="UNAVAILABLE")
+    answers = iter([lambda r: returned(r.return_key, "lone", 7), lambda r: failure])
+    below = Below(link, wait, lambda request: next(answers)(request))
+    done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42)
+    assert done[:3] == (native_frames.LONE_SETTLED, failure, 2) and below.taken == [True, True]
+    assert head.lanes.lane_of("lone").n_tokens == pos + 2  # the head's part of each step ran
+    # a second run on the same wait starts clean
+    below.answer = lambda r: returned(r.return_key, "lone", 5)
+    assert lone(head_path, Edge(link), wait, lone_entry("lone"), pos + 2, 7, limit=1)[:3] == (
+        native_frames.LONE_TOKEN, 5, 1)
+
+
+def test_a_return_that_is_not_one_plain_token_of_the_awaited_step_is_left_to_the_python_path(
+        chain3, head_path, lone_head, link):
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+    assert not wait.take(returned("run.0", "lone", 5))  # nothing awaited yet
+    assert not wait.settle("run.0", RuntimeError("x")) and not wait.settle(None, RuntimeError("x"))
+    refused: list[bool] = []
+
+    def answer(request):
+        key = request.return_key
+        refused.extend([
+            wait.take(returned("other-key", "lone", 5)),
+            wait.take(returned(key, "someone-else", 5)),
+            wait.take(returned(key, "lone", head.tokenizer.n_vocab)),
+            wait.take(returned(key, "lone", 5, extra={"logits": [0.5]})),
+            wait.take(b"\xff\x01garbage"),
+            wait.settle("other-key", RuntimeError("x")),
+        ])
+        return pb.IterationBatchResponse(outputs=[pb.EntryOutput(session_id="lone", has_token=True, token=5,
+                                                                 logits=[0.5])])
+    Below(link, wait, answer)
+    how, value, steps, *_ = lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42)
+    assert refused == [False] * 6
+    assert how == native_frames.LONE_SETTLED and steps == 1 and list(value.outputs[0].logits) == [0.5]
+
+
+def test_a_lone_run_gives_up_on_a_silent_chain_and_declines_once_the_edge_changed(
+        chain3, head_path, lone_head, link):
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+    below = Below(link, wait, lambda request: None)
+    started = time.monotonic()
+    assert lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42, timeout_s=0.2)[:3] == (
+        native_frames.LONE_TIMEOUT, None, 1)
+    assert 0.2 <= time.monotonic() - started < 2.0
+    edge = Edge(link)
+    edge.stage.downstream = types.SimpleNamespace(hop=edge.downstream.hop)  # a hand-off switched it
+    assert lone(head_path, edge, wait, lone_entry("lone"), pos + 1, 42)[:3] == (native_frames.LONE_DECLINED, 42, 0)
+    time.sleep(0.1)
+    assert len(below.frames) == 1 and head.lanes.lane_of("lone").n_tokens == pos + 1
+
+
+def test_the_heads_return_reader_hands_the_awaited_token_over_and_gives_back_everything_else(
+        chain3, head_path, lone_head, link):
+    """The head's return listener reads a plain link in C (``FrameReader``): the lone run's token is
+    taken on the way, without returning to Python; any other message comes back as
+    ``FrameSocket.receive`` gives it, a length it cannot read past as (0, why), the end as None."""
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+    ours, theirs = socket.socketpair()
+    reader = native_frames._frames.FrameReader(theirs.fileno(), 1 << 16, b"")
+    seen: list = []
+
+    def listen() -> None:
+        while (got := reader.next(wait)) is not None:
+            seen.append(got)
+            if got[0] == 0:
+                return
+
+    def answer(request):
+        ours.sendall(framing.encode(framing.Kind.RETURNED_BATCH, pb.ReturnedBatch.FromString(
+            returned("not-awaited", "lone", 3))))
+        ours.sendall(framing.encode(framing.Kind.RETURNED_BATCH, pb.ReturnedBatch.FromString(
+            returned(request.return_key, "lone", 11))))
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        Below(link, wait, answer)
+        done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42, limit=2)
+        assert done[:3] == (native_frames.LONE_TOKEN, 11, 2)
+        ours.sendall(framing._HEADER.pack(1 << 20, framing.Kind.RETURNED_BATCH))
+        listener.join(5)
+        assert [kind for kind, _ in seen] == [framing.Kind.RETURNED_BATCH] * 2 + [0]
+        assert all(pb.ReturnedBatch.FromString(body).return_key == "not-awaited" for _, body in seen[:2])
+        assert "exceeds max_message_bytes=65536" in seen[2][1]
+    finally:
+        ours.close()
+        theirs.close()
+    peer, end = socket.socketpair()
+    peer.close()
+    try:
+        assert native_frames._frames.FrameReader(end.fileno(), 1 << 16, b"").next(None) is None
+    finally:
+        end.close()
 
 
 # -- on real serve processes ---------------------------------------------------------------------

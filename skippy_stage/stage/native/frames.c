@@ -928,7 +928,8 @@ typedef struct {
     size_t sid_len;
     int n_vocab;
     int32_t token;
-    PyObject *final_id;  /* str: the stage the last token came from */
+    char final_id[MAX_ID]; /* the stage the last token came from */
+    size_t final_len;
     PyObject *settled;   /* what ``settle`` gave */
 } ReturnWait;
 
@@ -956,7 +957,6 @@ static void ReturnWait_dealloc(ReturnWait *self) {
         pthread_cond_destroy(&self->cond);
         pthread_mutex_destroy(&self->mu);
     }
-    Py_XDECREF(self->final_id);
     Py_XDECREF(self->settled);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -995,14 +995,13 @@ static int parse_plain_output(const uint8_t *s, size_t n, const uint8_t **sid, s
     return seen_sid && has == 1 && seen_token;
 }
 
-/* take(body) -> True: ``body`` (a ReturnedBatch's bytes) is the awaited step's one plain token,
- * now handed to the waiting loop; False: not that (nothing touched; the Python path reads it). */
-static PyObject *ReturnWait_take(ReturnWait *self, PyObject *arg) {
-    Py_buffer body;
-    if (PyObject_GetBuffer(arg, &body, PyBUF_SIMPLE) < 0) return NULL;
-    int taken = 0;
-    if (self->state != W_WAITING) goto out;
-    rd_t r = {body.buf, (const uint8_t *)body.buf + body.len};
+/* The core of ``take``, without the GIL (the return listener's C reader calls it): 1 when
+ * ``body`` (a ReturnedBatch's bytes) is the awaited step's one plain token, now handed to the
+ * waiting loop; 0 when not (nothing touched). Parsing touches nothing shared; the awaited key and
+ * session are read under ``mu`` once the state says a step is awaited (the loop writes them
+ * before it says so). */
+static int wait_take(ReturnWait *self, const uint8_t *data, size_t size) {
+    rd_t r = {data, data + size};
     const uint8_t *key = NULL, *resp = NULL, *out = NULL, *final_id = NULL, *sid = NULL;
     size_t key_len = 0, resp_len = 0, out_len = 0, final_len = 0, sid_len = 0;
     int seen_key = 0, seen_resp = 0, n_out = 0, seen_final = 0;
@@ -1010,7 +1009,7 @@ static PyObject *ReturnWait_take(ReturnWait *self, PyObject *arg) {
         uint32_t f, wt;
         const uint8_t *b;
         size_t n;
-        if (!rd_key(&r, &f, &wt) || wt != 2 || !rd_bytes(&r, &b, &n)) goto out;
+        if (!rd_key(&r, &f, &wt) || wt != 2 || !rd_bytes(&r, &b, &n)) return 0;
         if (f == 1 && !seen_key++) {
             key = b;
             key_len = n;
@@ -1018,16 +1017,16 @@ static PyObject *ReturnWait_take(ReturnWait *self, PyObject *arg) {
             resp = b;
             resp_len = n;
         } else {
-            goto out;
+            return 0;
         }
     }
-    if (!seen_key || !seen_resp || !key_matches(self, key, key_len)) goto out;
+    if (!seen_key || !seen_resp) return 0;
     rd_t q = {resp, resp + resp_len};
     while (q.p < q.end) {
         uint32_t f, wt;
         const uint8_t *b;
         size_t n;
-        if (!rd_key(&q, &f, &wt) || wt != 2 || !rd_bytes(&q, &b, &n)) goto out;
+        if (!rd_key(&q, &f, &wt) || wt != 2 || !rd_bytes(&q, &b, &n)) return 0;
         if (f == 1) {
             n_out++;
             out = b;
@@ -1036,24 +1035,34 @@ static PyObject *ReturnWait_take(ReturnWait *self, PyObject *arg) {
             final_id = b;
             final_len = n;
         } else {
-            goto out;
+            return 0;
         }
     }
     int64_t token = -1;
     if (n_out != 1 || !parse_plain_output(out, out_len, &sid, &sid_len, &token) || token < 0
-        || token >= self->n_vocab || sid_len != self->sid_len || memcmp(sid, self->sid, sid_len)
-        || final_len > MAX_ID || (final_id != NULL && !ascii(final_id, final_len)))
-        goto out;
-    PyObject *final = PyUnicode_FromStringAndSize(final_id == NULL ? "" : (const char *)final_id, (Py_ssize_t)final_len);
-    if (final == NULL) {
-        PyBuffer_Release(&body);
-        return NULL;
+        || token >= self->n_vocab || final_len > MAX_ID || (final_id != NULL && !ascii(final_id, final_len)))
+        return 0;
+    int taken = 0;
+    pthread_mutex_lock(&self->mu);
+    if (self->state == W_WAITING && key_matches(self, key, key_len) && sid_len == self->sid_len
+        && !memcmp(sid, self->sid, sid_len)) {
+        if (final_len) memcpy(self->final_id, final_id, final_len);
+        self->final_len = final_len;
+        self->token = (int32_t)token;
+        self->state = W_TOKEN;
+        pthread_cond_broadcast(&self->cond);
+        taken = 1;
     }
-    Py_XSETREF(self->final_id, final);
-    self->token = (int32_t)token;
-    wait_move(self, W_TOKEN);
-    taken = 1;
-out:
+    pthread_mutex_unlock(&self->mu);
+    return taken;
+}
+
+/* take(body) -> True: ``body`` (a ReturnedBatch's bytes) is the awaited step's one plain token,
+ * now handed to the waiting loop; False: not that (nothing touched; the Python path reads it). */
+static PyObject *ReturnWait_take(ReturnWait *self, PyObject *arg) {
+    Py_buffer body;
+    if (PyObject_GetBuffer(arg, &body, PyBUF_SIMPLE) < 0) return NULL;
+    int taken = wait_take(self, body.buf, (size_t)body.len);
     PyBuffer_Release(&body);
     return PyBool_FromLong(taken);
 }
@@ -1074,10 +1083,17 @@ static PyObject *ReturnWait_settle(ReturnWait *self, PyObject *args) {
         }
         if (!key_matches(self, (const uint8_t *)k, (size_t)n)) Py_RETURN_FALSE;
     }
-    Py_INCREF(value);
-    Py_XSETREF(self->settled, value);
-    wait_move(self, W_SETTLED);
-    Py_RETURN_TRUE;
+    int settled = 0;
+    pthread_mutex_lock(&self->mu);
+    if (self->state == W_WAITING) { /* a token may have come meanwhile (the reader takes it without the GIL) */
+        Py_INCREF(value);
+        Py_XSETREF(self->settled, value);
+        self->state = W_SETTLED;
+        pthread_cond_broadcast(&self->cond);
+        settled = 1;
+    }
+    pthread_mutex_unlock(&self->mu);
+    return PyBool_FromLong(settled);
 }
 
 static PyMethodDef ReturnWait_methods[] = {
@@ -1097,6 +1113,171 @@ static PyTypeObject ReturnWaitType = {
     .tp_dealloc = (destructor)ReturnWait_dealloc,
     .tp_methods = ReturnWait_methods,
     .tp_doc = "Where the head's lone generation waits for its step's return.",
+};
+
+/* -- the head's return link, read in C ---------------------------------------------------------
+ *
+ * The head's return listener reads a plain return link through this (framing's format: u32
+ * big-endian length N, u8 kind, N-1 bytes): a ReturnedBatch that is the lone generation's awaited
+ * token is handed over (``wait_take``) without the GIL and without returning to Python; every
+ * other message is returned to the listener as FrameSocket.receive returns it. Without the GIL a
+ * token's arrival no longer waits for whatever Python holds it (the client stream's handler, on
+ * the same core) before the loop can take it. */
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    uint8_t *buf;
+    size_t cap, start, end; /* buffered bytes: buf[start:end] */
+    size_t max_message;
+} FrameReader;
+
+static int FrameReader_init(FrameReader *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"fd", "max_message_bytes", "buffered", NULL};
+    Py_buffer buffered = {0};
+    Py_ssize_t max_message;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "in|y*", names, &self->fd, &max_message, &buffered)) return -1;
+    if (self->fd < 0 || max_message <= 0) {
+        PyBuffer_Release(&buffered);
+        PyErr_SetString(PyExc_ValueError, "FrameReader: a descriptor and a positive max_message_bytes");
+        return -1;
+    }
+    self->max_message = (size_t)max_message;
+    size_t cap = 1 << 16;
+    if ((size_t)buffered.len > cap) cap = (size_t)buffered.len;
+    PyMem_RawFree(self->buf);
+    self->buf = PyMem_RawMalloc(cap);
+    if (self->buf == NULL) {
+        PyBuffer_Release(&buffered);
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->cap = cap;
+    self->start = 0;
+    self->end = (size_t)buffered.len;
+    if (buffered.len) memcpy(self->buf, buffered.buf, (size_t)buffered.len);
+    PyBuffer_Release(&buffered);
+    return 0;
+}
+
+static void FrameReader_dealloc(FrameReader *self) {
+    PyMem_RawFree(self->buf);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+enum { R_MESSAGE, R_CLOSED, R_ERROR, R_ZERO, R_TOO_LARGE, R_NOMEM };
+
+/* next(wait) -> (kind, body); (0, reason) for a length the link cannot be read past (zero, or over
+ * max_message_bytes: the listener refuses it as FrameSocket does); None when the peer closed it.
+ * Raises OSError when the read fails. ``wait`` (a ReturnWait, or None) takes its tokens here. */
+static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
+    ReturnWait *wait = NULL;
+    if (arg != Py_None) {
+        if (!PyObject_TypeCheck(arg, &ReturnWaitType)) {
+            PyErr_SetString(PyExc_TypeError, "FrameReader.next: a ReturnWait or None");
+            return NULL;
+        }
+        wait = (ReturnWait *)arg;
+    }
+    int outcome = R_MESSAGE, err = 0;
+    size_t length = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        size_t have = self->end - self->start;
+        if (have >= 5) {
+            const uint8_t *h = self->buf + self->start;
+            length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | (size_t)h[3];
+            if (length == 0) {
+                outcome = R_ZERO;
+                break;
+            }
+            if (length - 1 > self->max_message) {
+                outcome = R_TOO_LARGE;
+                break;
+            }
+            if (have >= 4 + length) {
+                if (wait != NULL && h[4] == KIND_RETURNED && wait_take(wait, h + 5, length - 1)) {
+                    self->start += 4 + length;
+                    continue;
+                }
+                break; /* the listener's */
+            }
+            if (4 + length > self->cap) { /* a message larger than the buffer: grow it */
+                uint8_t *grown = PyMem_RawMalloc(4 + length);
+                if (grown == NULL) {
+                    outcome = R_NOMEM;
+                    break;
+                }
+                memcpy(grown, self->buf + self->start, have);
+                PyMem_RawFree(self->buf);
+                self->buf = grown;
+                self->cap = 4 + length;
+                self->start = 0;
+                self->end = have;
+            }
+        }
+        if (self->start == self->end) {
+            self->start = self->end = 0;
+        } else if (self->start > 0 && self->cap - self->end < 4096) {
+            memmove(self->buf, self->buf + self->start, self->end - self->start);
+            self->end -= self->start;
+            self->start = 0;
+        }
+        ssize_t k = recv(self->fd, self->buf + self->end, self->cap - self->end, 0);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) {
+            err = errno;
+            outcome = R_ERROR;
+            break;
+        }
+        if (k == 0) {
+            outcome = R_CLOSED;
+            break;
+        }
+        self->end += (size_t)k;
+    }
+    Py_END_ALLOW_THREADS
+    switch (outcome) {
+    case R_CLOSED:
+        Py_RETURN_NONE;
+    case R_ERROR:
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    case R_NOMEM:
+        return PyErr_NoMemory();
+    case R_ZERO:
+        return Py_BuildValue("(is)", 0, "frame message length is 0 (it must include the kind byte)");
+    case R_TOO_LARGE: {
+        PyObject *why = PyUnicode_FromFormat("frame message of %zu bytes exceeds max_message_bytes=%zu", length - 1,
+                                             self->max_message);
+        return why == NULL ? NULL : Py_BuildValue("(iN)", 0, why);
+    }
+    default: {
+        const uint8_t *h = self->buf + self->start;
+        PyObject *body = PyBytes_FromStringAndSize((const char *)h + 5, (Py_ssize_t)(length - 1));
+        if (body == NULL) return NULL;
+        int kind = h[4];
+        self->start += 4 + length;
+        return Py_BuildValue("(iN)", kind, body);
+    }
+    }
+}
+
+static PyMethodDef FrameReader_methods[] = {
+    {"next", (PyCFunction)FrameReader_next, METH_O,
+     "next(wait) -> (kind, body), (0, why) for a length it cannot read past, or None once closed"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FrameReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._frames.FrameReader",
+    .tp_basicsize = sizeof(FrameReader),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FrameReader_init,
+    .tp_dealloc = (destructor)FrameReader_dealloc,
+    .tp_methods = FrameReader_methods,
+    .tp_doc = "The head's plain return link, read in C; the lone generation's tokens taken on the way.",
 };
 
 enum { LONE_TOKEN, LONE_SETTLED, LONE_DECLINED, LONE_DECODE_FAILED, LONE_UNSENT, LONE_TIMEOUT };
@@ -1319,8 +1500,7 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         break;
     }
     if (value == NULL) goto out;
-    result = Py_BuildValue("(iNlOOO)", how, value, steps, computes, hops,
-                           wait->final_id != NULL ? wait->final_id : Py_None);
+    result = Py_BuildValue("(iNlOOs#)", how, value, steps, computes, hops, wait->final_id, (Py_ssize_t)wait->final_len);
 out:
     PyMem_Free(entry);
     PyMem_Free(fr);
@@ -1417,7 +1597,8 @@ static PyTypeObject FramePathType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", NULL, -1, NULL};
 
 PyMODINIT_FUNC PyInit__frames(void) {
-    if (PyType_Ready(&FramePathType) < 0 || PyType_Ready(&ReturnWaitType) < 0) return NULL;
+    if (PyType_Ready(&FramePathType) < 0 || PyType_Ready(&ReturnWaitType) < 0 || PyType_Ready(&FrameReaderType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&FramePathType);
@@ -1429,6 +1610,12 @@ PyMODINIT_FUNC PyInit__frames(void) {
     Py_INCREF(&ReturnWaitType);
     if (PyModule_AddObject(m, "ReturnWait", (PyObject *)&ReturnWaitType) < 0) {
         Py_DECREF(&ReturnWaitType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&FrameReaderType);
+    if (PyModule_AddObject(m, "FrameReader", (PyObject *)&FrameReaderType) < 0) {
+        Py_DECREF(&FrameReaderType);
         Py_DECREF(m);
         return NULL;
     }
