@@ -16,6 +16,11 @@ path does not do itself happens here, after the frame has left: the metrics, and
 outcomes (a decode that failed: the sessions are freed and the error goes up the edge; a link
 that broke in the send: the final stage relays the outputs up the edge instead, an inner stage
 reports the broken edge as the Python path does).
+
+The head's lone greedy generation (``NativeHead.lone``) runs the same code step after step: one
+session alone, each token that comes back fed to the next step without the scheduler between
+them. Its tokens come over the return link, which the head's listener reads in C
+(``return_reader``) so a token is handed over without the GIL.
 """
 
 from __future__ import annotations
