@@ -238,7 +238,7 @@ def read(reader, wait) -> tuple[int, bytes]:
     if got is None:
         raise framing.LinkClosed("closed by the peer")
     kind, body = got
-    if kind == 0:
+    if kind < 0:
         raise InvalidRequestError(body)
     return kind, body
 

@@ -586,54 +586,59 @@ class Stage:
         downstream = self.downstream
         hop = downstream.hop if isinstance(downstream, DownstreamClient) else None
         link = hop.plain_link if isinstance(hop, TcpHop) else None
-        if native is None or link is None or step.return_key:
-            return self.process(step, remaining_s, on_sent=lambda: on_token(None))
-        timeout = downstream.timeout_for(remaining_s)
-        entry = step.entries[0]
-        sessions = [entry.session_id]
-        tally = Tally()
-        try:
+        done = None
+        if native is not None and link is not None and not step.return_key:
+            timeout = downstream.timeout_for(remaining_s)
             done = native.lone(step, self, downstream, link, timeout_s=timeout, limit=limit, eog=eog,
                                on_token=on_token)
-            if done is None:
+        if done is None:
+            return self.process(step, remaining_s, on_sent=lambda: on_token(None))
+        how, value, steps, computes, hops, final_id = done
+        entry = step.entries[0]
+        self._record_lone(computes, steps, hops, answered=len(hops) - (how in (native_frames.LONE_SETTLED,
+                                                                            native_frames.LONE_TIMEOUT)))
+        if how == native_frames.LONE_TOKEN:
+            return Outputs(outputs=[Output(session_id=entry.session_id, token=value)], final_stage_id=final_id)
+        if how == native_frames.LONE_DECLINED:
+            if not steps:
                 return self.process(step, remaining_s, on_sent=lambda: on_token(None))
-            how, value, steps, computes, hops, final_id = done
-            for compute_s in computes:
-                tally.computes.append((compute_s, 1, 1, []))
-                tally.sent.append(("f32", native.row_bytes))
-            tally.native += len(computes)
-            self.metrics.lone_steps.inc(steps)
-            for seconds in hops:
-                self.metrics.hop_seconds.observe(seconds)
-            taken = len(hops) - (how != native_frames.LONE_TOKEN)
-            if taken > 0:
-                self.metrics.returns(path="direct").inc(taken)
-            if how == native_frames.LONE_TOKEN:
-                return Outputs(outputs=[Output(session_id=entry.session_id, token=value)], final_stage_id=final_id or "")
-            if how == native_frames.LONE_SETTLED:
-                if isinstance(value, BaseException):
-                    raise value
-                return value
-            if how == native_frames.LONE_DECLINED:
-                if not steps:
-                    return self.process(step, remaining_s, on_sent=lambda: on_token(None))
-                position = entry.positions[0] + steps
-                rest = Step(request_id=f"{step.request_id}+{steps}", entries=[dataclasses.replace(
-                    entry, positions=range(position, position + 1), token_ids=[value],
-                    draws_before=entry.draws_before + steps)])
-                return self.process(rest, remaining_s, on_sent=lambda: on_token(value))
+            on_token(value)  # a token that came back: the scheduler's before the step that feeds it runs
+            position = entry.positions[0] + steps
+            return self.process(Step(request_id=f"{step.request_id}+{steps}", entries=[dataclasses.replace(
+                entry, positions=range(position, position + 1), token_ids=[value],
+                draws_before=entry.draws_before + steps)]), remaining_s)
+        if how in (native_frames.LONE_DECODE_FAILED, native_frames.LONE_UNSENT):
+            rc, fed = value
+            if fed is not None:
+                on_token(fed)  # it came back before the step that fed it failed: the scheduler's
             if how == native_frames.LONE_DECODE_FAILED:
-                raise decode_error(value, 1)
-            if how == native_frames.LONE_UNSENT:
-                raise hop.broke(link, "send failed")
-            raise DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
+                raise decode_error(rc, 1)  # the runtime cut the KV back; as ``process``, nothing freed here
+            exc = hop.broke(link, "send failed")
+        elif how == native_frames.LONE_SETTLED:
+            if not isinstance(value, BaseException):
+                return value
+            exc = value
+        else:
+            exc = DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
                                   f"outputs did not arrive within {timeout:.3f}s", stage_id=downstream.peer.stage_id,
                                   code_name="DEADLINE_EXCEEDED")
-        except SkippyError as exc:
-            self._failed(exc, sessions, step.request_id)
-            raise
-        finally:
-            self.metrics.record(tally)
+        if isinstance(exc, SkippyError):
+            self._failed(exc, [entry.session_id], step.request_id)
+        raise exc
+
+    def _record_lone(self, computes: list[float], steps: int, hops: list[float], *, answered: int) -> None:
+        """A lone run's metrics, as ``process`` records its steps': each decode, each frame sent,
+        and each return that came (``answered``: the first so many waits, which a token ended)."""
+        tally = Tally()
+        tally.computes.extend((compute_s, 1, 1, []) for compute_s in computes)
+        tally.native += len(computes)
+        tally.sent.extend([("f32", self.native_head.row_bytes)] * steps)
+        self.metrics.record(tally)
+        self.metrics.lone_steps.inc(steps)
+        for seconds in hops[:answered]:
+            self.metrics.hop_seconds.observe(seconds)
+        if answered > 0:
+            self.metrics.returns(path="direct").inc(answered)
 
     def _native_step(self, step: Step, downstream, outcome: HopFuture, *, relay: bool, timeout_s: float,
                      tally: Tally) -> bool:

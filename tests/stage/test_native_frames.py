@@ -512,6 +512,21 @@ def test_what_settles_the_awaited_step_ends_the_run_with_it(chain3, head_path, l
         native_frames.LONE_TOKEN, 5, 1)
 
 
+def test_a_step_that_cannot_be_sent_gives_back_the_token_it_fed_for_the_scheduler_to_take(
+        chain3, head_path, lone_head, link):
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+
+    def answer(request):
+        link.ours.close()  # the link breaks before the next step's send
+        return returned(request.return_key, "lone", 7)
+    Below(link, wait, answer)
+    fed: list[int | None] = []
+    done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42, on_token=lambda t: fed.append(t) or True)
+    assert done[:3] == (native_frames.LONE_UNSENT, (0, 7), 1) and fed == [None]
+    assert head.lanes.lane_of("lone").n_tokens == pos + 2  # the second step decoded here, then failed to leave
+
+
 def test_a_return_that_is_not_one_plain_token_of_the_awaited_step_is_left_to_the_python_path(
         chain3, head_path, lone_head, link):
     head, pos = lone_head
@@ -558,7 +573,7 @@ def test_the_heads_return_reader_hands_the_awaited_token_over_and_gives_back_eve
         chain3, head_path, lone_head, link):
     """The head's return listener reads a plain link in C (``FrameReader``): the lone run's token is
     taken on the way, without returning to Python; any other message comes back as
-    ``FrameSocket.receive`` gives it, a length it cannot read past as (0, why), the end as None."""
+    ``FrameSocket.receive`` gives it, a length it cannot read past as (-1, why), the end as None."""
     head, pos = lone_head
     wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
     ours, theirs = socket.socketpair()
@@ -568,7 +583,7 @@ def test_the_heads_return_reader_hands_the_awaited_token_over_and_gives_back_eve
     def listen() -> None:
         while (got := reader.next(wait)) is not None:
             seen.append(got)
-            if got[0] == 0:
+            if got[0] == -1:
                 return
 
     def answer(request):
@@ -584,7 +599,7 @@ def test_the_heads_return_reader_hands_the_awaited_token_over_and_gives_back_eve
         assert done[:3] == (native_frames.LONE_TOKEN, 11, 2)
         ours.sendall(framing._HEADER.pack(1 << 20, framing.Kind.RETURNED_BATCH))
         listener.join(5)
-        assert [kind for kind, _ in seen] == [framing.Kind.RETURNED_BATCH] * 2 + [0]
+        assert [kind for kind, _ in seen] == [framing.Kind.RETURNED_BATCH] * 2 + [-1]
         assert all(pb.ReturnedBatch.FromString(body).return_key == "not-awaited" for _, body in seen[:2])
         assert "exceeds max_message_bytes=65536" in seen[2][1]
     finally:

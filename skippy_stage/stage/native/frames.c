@@ -968,6 +968,18 @@ static void wait_move(ReturnWait *self, int state) {
     pthread_mutex_unlock(&self->mu);
 }
 
+/* Back to idle between runs or steps, dropping a value settled for a step that ended otherwise
+ * (it failed or was declined while ``settle`` came). */
+static void wait_reset(ReturnWait *self) {
+    pthread_mutex_lock(&self->mu);
+    self->state = W_IDLE;
+    PyObject *stale = self->settled;
+    self->settled = NULL;
+    pthread_cond_broadcast(&self->cond);
+    pthread_mutex_unlock(&self->mu);
+    Py_XDECREF(stale);
+}
+
 static int key_matches(ReturnWait *self, const uint8_t *key, size_t key_len) {
     return key_len == self->key_len && !memcmp(key, self->key, key_len);
 }
@@ -1167,7 +1179,7 @@ static void FrameReader_dealloc(FrameReader *self) {
 
 enum { R_MESSAGE, R_CLOSED, R_ERROR, R_ZERO, R_TOO_LARGE, R_NOMEM };
 
-/* next(wait) -> (kind, body); (0, reason) for a length the link cannot be read past (zero, or over
+/* next(wait) -> (kind, body); (-1, reason) for a length the link cannot be read past (zero, or over
  * max_message_bytes: the listener refuses it as FrameSocket does); None when the peer closed it.
  * Raises OSError when the read fails. ``wait`` (a ReturnWait, or None) takes its tokens here. */
 static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
@@ -1246,11 +1258,11 @@ static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
     case R_NOMEM:
         return PyErr_NoMemory();
     case R_ZERO:
-        return Py_BuildValue("(is)", 0, "frame message length is 0 (it must include the kind byte)");
+        return Py_BuildValue("(is)", -1, "frame message length is 0 (it must include the kind byte)");
     case R_TOO_LARGE: {
         PyObject *why = PyUnicode_FromFormat("frame message of %zu bytes exceeds max_message_bytes=%zu", length - 1,
                                              self->max_message);
-        return why == NULL ? NULL : Py_BuildValue("(iN)", 0, why);
+        return why == NULL ? NULL : Py_BuildValue("(iN)", -1, why);
     }
     default: {
         const uint8_t *h = self->buf + self->start;
@@ -1265,7 +1277,7 @@ static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
 
 static PyMethodDef FrameReader_methods[] = {
     {"next", (PyCFunction)FrameReader_next, METH_O,
-     "next(wait) -> (kind, body), (0, why) for a length it cannot read past, or None once closed"},
+     "next(wait) -> (kind, body), (-1, why) for a length it cannot read past, or None once closed"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1323,8 +1335,10 @@ static int same_edge(PyObject *stage, PyObject *downstream, PyObject *link) {
  * once a step's frame has left: None for the first step, else the token it fed) returns true.
  * how LONE_TOKEN: ``value`` the last token, which the caller takes; LONE_SETTLED: the last step's
  * outcome as ``settle`` gave it; LONE_DECLINED: ``value`` the token whose step the C path declined
- * (nothing of it done: the caller runs it); LONE_DECODE_FAILED: llama_decode's code;
- * LONE_UNSENT: the send failed; LONE_TIMEOUT: no return within ``timeout_s`` (+50 ms).
+ * (nothing of it done: the caller runs it); LONE_DECODE_FAILED, LONE_UNSENT: the decode or the send
+ * of a step failed, ``value`` (llama_decode's code, the token that step fed or None for the first
+ * step: a token that came back, which the caller still takes); LONE_TIMEOUT: no return within
+ * ``timeout_s`` (+50 ms).
  * ``steps``: frames sent; ``computes`` and ``hops``: seconds each step's compute and return took. */
 static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
     ReturnWait *wait;
@@ -1406,12 +1420,12 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         double sent_at = now_monotonic();
         if (gate_exit(gate_pass) < 0 || done == NULL) {
             Py_XDECREF(done);
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             goto out;
         }
         if (done == Py_None) {
             Py_DECREF(done);
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             how = LONE_DECLINED;
             value = PyLong_FromLong(token);
             break;
@@ -1420,21 +1434,22 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         int rc = (int)PyLong_AsLong(PyTuple_GET_ITEM(done, 1));
         if (PyList_Append(computes, PyTuple_GET_ITEM(done, 2)) < 0) {
             Py_DECREF(done);
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             goto out;
         }
         Py_DECREF(done);
         if (status != 0) {
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             how = status == 2 ? LONE_DECODE_FAILED : LONE_UNSENT;
-            value = PyLong_FromLong(rc);
+            /* the token this step fed came back from the last one: the caller takes it */
+            value = steps ? Py_BuildValue("(ii)", rc, token) : Py_BuildValue("(iO)", rc, Py_None);
             break;
         }
         steps++;
         /* the token this frame fed goes to its handler now that the frame has left */
         PyObject *fed = steps == 1 ? Py_None : PyLong_FromLong(token);
         if (fed == NULL) {
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             goto out;
         }
         if (steps == 1) Py_INCREF(fed);
@@ -1443,7 +1458,7 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         int proceed = go == NULL ? -1 : PyObject_IsTrue(go);
         Py_XDECREF(go);
         if (proceed < 0) {
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             goto out;
         }
         int state;
@@ -1466,13 +1481,13 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         PyObject *hop = PyFloat_FromDouble(now_monotonic() - sent_at);
         if (hop == NULL || PyList_Append(hops, hop) < 0) {
             Py_XDECREF(hop);
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             goto out;
         }
         Py_DECREF(hop);
         if (state == W_TOKEN) {
             int32_t next = wait->token;
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             int end_of_generation = 0;
             for (Py_ssize_t i = 0; i < n_eog; i++)
                 if (eogs[i] == next) end_of_generation = 1;
@@ -1490,10 +1505,10 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
             how = LONE_SETTLED;
             value = wait->settled;
             wait->settled = NULL;
-            wait_move(wait, W_IDLE);
+            wait_reset(wait);
             break;
         }
-        wait_move(wait, W_IDLE); /* the time ran out */
+        wait_reset(wait); /* the time ran out */
         how = LONE_TIMEOUT;
         value = Py_None;
         Py_INCREF(value);
