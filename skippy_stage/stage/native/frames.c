@@ -1612,27 +1612,17 @@ static PyTypeObject FramePathType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", NULL, -1, NULL};
 
 PyMODINIT_FUNC PyInit__frames(void) {
-    if (PyType_Ready(&FramePathType) < 0 || PyType_Ready(&ReturnWaitType) < 0 || PyType_Ready(&FrameReaderType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL) return NULL;
-    Py_INCREF(&FramePathType);
-    if (PyModule_AddObject(m, "FramePath", (PyObject *)&FramePathType) < 0) {
-        Py_DECREF(&FramePathType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&ReturnWaitType);
-    if (PyModule_AddObject(m, "ReturnWait", (PyObject *)&ReturnWaitType) < 0) {
-        Py_DECREF(&ReturnWaitType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&FrameReaderType);
-    if (PyModule_AddObject(m, "FrameReader", (PyObject *)&FrameReaderType) < 0) {
-        Py_DECREF(&FrameReaderType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[] = {&FramePathType, &ReturnWaitType, &FrameReaderType};
+    PyObject *m = NULL;
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        if (PyType_Ready(types[i]) < 0) return NULL;
+    if ((m = PyModule_Create(&module)) == NULL) return NULL;
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        const char *name = strrchr(types[i]->tp_name, '.') + 1; /* "skippy_stage.stage._frames.<name>" */
+        if (PyModule_AddObjectRef(m, name, (PyObject *)types[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }
