@@ -194,7 +194,6 @@ class NativeHead:
         tally.sent.append(("f32", entries * self.row_bytes))
         return True
 
-
     def lone(self, step: Step, stage, downstream, link, *, timeout_s: float, limit: int, eog: bytes,
              on_token) -> tuple | None:
         """Run ``step`` (one plain decode entry) and the steps that follow it on each token that
