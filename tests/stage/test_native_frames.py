@@ -693,3 +693,50 @@ def test_a_plain_frame_for_a_session_the_final_stage_does_not_hold_is_refused_by
 
 def _message(hop_request: bytes) -> bytes:
     return framing._HEADER.pack(len(hop_request) + 1, framing.Kind.HOP_REQUEST) + hop_request
+
+
+def llama_cpp_greedy(logits: np.ndarray) -> int:
+    """llama.cpp's own greedy sampler on ``logits``: what the final stage's pick must equal."""
+    import ctypes
+
+    import llama_cpp
+
+    data = (llama_cpp.llama_token_data * len(logits))(
+        *(llama_cpp.llama_token_data(i, float(x), 0.0) for i, x in enumerate(logits)))
+    candidates = llama_cpp.llama_token_data_array(data=data, size=len(logits), selected=-1, sorted=False)
+    sampler = llama_cpp.llama_sampler_init_greedy()
+    try:
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(candidates))
+    finally:
+        llama_cpp.llama_sampler_free(sampler)
+    return candidates.selected
+
+
+def test_the_final_stages_greedy_pick_is_llama_cpps_greedy_sampler():
+    """The C pick (two passes, vector max) against llama.cpp's sampler: ties go to the first index,
+    a NaN never wins but a NaN first logit stands, -0.0 equals 0.0, the largest logit anywhere,
+    the tail past the last eight included, any length."""
+    rng = np.random.default_rng(7)
+    vocab = rng.standard_normal(49152).astype(np.float32)
+    tied = vocab.copy()
+    tied[[300, 9000, 49151]] = tied.max() + 1.0
+    coarse = rng.integers(0, 4, 1000).astype(np.float32)  # many ties of the top value
+    scattered_nan = vocab.copy()
+    scattered_nan[rng.integers(0, 49152, 50)] = np.nan
+    cases = {
+        "a vocabulary": vocab, "three tied maxima": tied, "many ties": coarse,
+        "the maximum in the tail": np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11.5], dtype=np.float32),
+        "the maximum first": np.array([5, 1, 5, 2, 5, 0, 0, 0, 0, 5], dtype=np.float32),
+        "one logit": np.array([-3.0], dtype=np.float32),
+        "seven logits": np.array([1, 2, 3, 7, 3, 2, 1], dtype=np.float32),
+        "NaNs among them": scattered_nan,
+        "a NaN first": np.concatenate([[np.nan], vocab[:99]]).astype(np.float32),
+        "all NaN": np.full(17, np.nan, dtype=np.float32),
+        "all -inf": np.full(9, -np.inf, dtype=np.float32),
+        "-0.0 before 0.0": np.array([-1, -0.0, 0.0, -2, 0.0, -0.0, -5, -9, -0.0], dtype=np.float32),
+        "+inf twice": np.array([1, np.inf, 3, np.inf, np.nan, 2, 2, 2, 2, 2], dtype=np.float32),
+    }
+    for name, logits in cases.items():
+        assert native_frames._frames.greedy(logits) == llama_cpp_greedy(logits), name
+    with pytest.raises(ValueError, match="float32"):
+        native_frames._frames.greedy(b"")
