@@ -27,13 +27,15 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
+import multiprocessing as mp
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from thread_cpu import _single, task_stats  # scripts/, beside this one
 
 SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
 STEP_S = 5e-6  # occupancy sampled every 5 us of the recording
@@ -41,13 +43,7 @@ STEP_S = 5e-6  # occupancy sampled every 5 us of the recording
 
 def thread_cpu(pid: int) -> dict[int, int]:
     """tid: CPU ns so far, for every thread of ``pid``."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out[int(task.name)] = int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            continue
-    return out
+    return {tid: cpu for tid, (_, cpu, _, _) in task_stats(pid).items()}
 
 
 def roles(stage_pids: list[int], client_pid: int | None, before: list[dict[int, int]], n_threads: int) -> dict[int, str]:
@@ -125,17 +121,6 @@ def report(title: str, combos: collections.Counter, per_cpu: dict) -> None:
                                             sorted(shares.items(), key=lambda kv: -kv[1]) if s >= 0.002))
 
 
-def _single_loop() -> subprocess.Popen:
-    """llama-cpp-python's unsplit model decoding greedily until killed."""
-    code = ("import sys\nfrom pathlib import Path\nfrom skippy_stage.cli import bench\n"
-            "from skippy_stage.model.loader import reference_llama\nfrom skippy_stage.model.packaged import smollm2_path\n"
-            "llm = reference_llama(Path(smollm2_path()), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)\n"
-            "tokens = llm.tokenize(bench.PROMPT.encode())\nprint('ready', flush=True)\n"
-            "while True:\n    for i, _ in enumerate(llm.generate(tokens, temp=0.0, reset=True)):\n"
-            "        if i == 300: break\n")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, default=2, choices=(1, 2, 3))
@@ -154,16 +139,21 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     with tempfile.TemporaryDirectory(prefix="skippy-occupancy-") as tmp:
         if args.with_single:
-            single = _single_loop()
+            here, there = mp.get_context("spawn").Pipe()
+            single = mp.get_context("spawn").Process(target=_single, args=(there, str(smollm2_path()), 2, bench.PROMPT),
+                                                     daemon=True)
+            single.start()
             try:
-                single.stdout.readline()
-                time.sleep(1.0)
+                here.send(10_000)  # far more tokens than the recording lasts: the process is killed after it
+                here.recv()
+                here.send("go")
+                time.sleep(0.5)
                 start = [thread_cpu(single.pid)]
                 record(args.seconds, Path(tmp) / "single.data")
                 named = roles([single.pid], None, start, 2)
             finally:
                 single.kill()
-                single.wait()
+                single.join()
             report("unsplit model, llama-cpp-python", *occupancy(timehist(Path(tmp) / "single.data"), named))
         (Path(tmp) / "work").mkdir()
         pipeline = bench._Pipeline(smollm2_path(), SPLITS[args.stages], Path(tmp) / "work", str(Path(tmp) / "slices"))
