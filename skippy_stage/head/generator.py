@@ -140,6 +140,25 @@ def load_drafters(stage: Stage) -> Drafters:
                                  target=runtime.tokenizer))
 
 
+def _waiting_tokens(task: Task, event: int | Sampled | Tokens) -> tuple[list[int | Sampled], object | None]:
+    """``event``'s tokens and those queued behind it, for one message: a handler that fell behind
+    (the cores busy decoding) catches up in one send rather than one a token, each of which costs
+    gRPC's hand-offs between threads. The first event that is not a token (End, Failed) is
+    returned, to be handled after them."""
+    items = list(event.items) if isinstance(event, Tokens) else [event]
+    while True:
+        try:
+            more = task.events.get_nowait()
+        except queue.Empty:
+            return items, None
+        if isinstance(more, Tokens):
+            items.extend(more.items)
+        elif isinstance(more, (End, Failed, PromptLogprobs)):
+            return items, more
+        else:
+            items.append(more)
+
+
 class Generator:
     """Runs generations through the chain below the head."""
 
@@ -322,9 +341,11 @@ class Generator:
                 if isinstance(event, PromptLogprobs):
                     yield event
                     continue
-                # Several at once under stream_interval_ms (the scheduler held them): one message.
+                # Several at once under stream_interval_ms (the scheduler held them), or tokens that
+                # came while the last message was being sent: one message.
+                items, after = _waiting_tokens(task, event)
                 text = ""
-                for token in event.items if isinstance(event, Tokens) else (event,):
+                for token in items:
                     completion += 1
                     if isinstance(token, Sampled):
                         pending_lps.append(token.logprob)
@@ -342,6 +363,13 @@ class Generator:
                 if text:
                     yield Piece(text, pending_ids, pending_lps)
                     pending_ids, pending_lps = [], []
+                if isinstance(after, Failed):
+                    raise after.error
+                if isinstance(after, End):
+                    reason = after.reason
+                    break
+                if isinstance(after, PromptLogprobs):
+                    yield after
             if not scanner.stopped:
                 tail = scanner.feed(decoder.decode(b"", final=True))
                 if not scanner.stopped:

@@ -92,3 +92,39 @@ def test_n_choices_without_max_tokens_share_a_unified_kv_pool_instead_of_being_r
         generator.close()
         for stage in stages:
             stage.close()
+
+
+def test_tokens_that_wait_behind_the_first_reach_the_client_in_one_piece(smollm2, slice_cache):
+    """A handler that fell behind the decode (the cores busy with it) sends every token already
+    waiting in one message, not one message a token: each gRPC send costs the head hand-offs
+    between threads. What it sends is unchanged: the same text, every token id in order, and the
+    end that followed them."""
+    from dataclasses import replace
+
+    from support.chain import split_configs
+
+    from skippy_stage.head.generator import Finish, GenerateSpec, Generator, Piece
+    from skippy_stage.head.scheduler import FINISH_LENGTH, End, Task, Tokens
+    from skippy_stage.model.sampling import SamplingParams
+    from skippy_stage.stage.stage import Stage
+
+    (cfg,) = split_configs(smollm2, [(0, 30)], slice_cache, n_threads=1)
+    stage = Stage(replace(cfg, ctx_size=256, lane_count=1), max_message_bytes=cfg.max_message_bytes)
+    stage.load()
+    generator = Generator(stage)
+    try:
+        ids = generator.runtime.tokenizer.tokenize(" one two three four", add_special=False)
+        spec = GenerateSpec(prompt="x", messages=(), max_tokens=16, sampling=SamplingParams(temperature=0), stop=())
+        task = Task(session_id="waiting", prompt=[1], sampling=spec.sampling, max_tokens=16)
+        task.events.put(ids[0])
+        task.events.put(Tokens(tuple(ids[1:3])))  # held by a stream interval
+        for token in ids[3:]:
+            task.events.put(token)
+        task.events.put(End(FINISH_LENGTH))
+        out = list(generator.pieces(task, spec, remaining_s=lambda: None))
+        pieces = [p for p in out if isinstance(p, Piece)]
+        assert [(p.text, p.token_ids) for p in pieces] == [(" one two three four", ids)]
+        assert out[-1] == Finish(FINISH_LENGTH, 1, len(ids), "waiting")
+    finally:
+        generator.close()
+        stage.close()
