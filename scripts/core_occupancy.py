@@ -2,6 +2,7 @@
 """Who holds each core while a pipeline decodes one stream: the time the split loses to others.
 
     python scripts/core_occupancy.py [--stages 2|3] [--seconds 1.0] [--with-single] [--interval-ms 1000]
+                                     [--timeline 25]
 
 Starts the packaged SmolLM2 split as ``bench`` starts it, generates through ``bench``'s quiet
 client (its own process, nice 19) and records the scheduler's switches with ``perf sched record``
@@ -20,6 +21,13 @@ its own CPU. The combinations below the top one or two say what took the cores i
 ``--with-single`` records llama-cpp-python's unsplit model decoding too (same roles: ``S0`` its
 two OpenMP threads), for the same table with nothing split. Only shares of one run mean
 anything: the host is shared and noisy.
+
+``--timeline MS`` also prints every stretch a thread ran on each core over MS milliseconds from the
+middle of the recording, in order: who ran, for how long, and how long it had waited for the core
+after being woken — the order of a few tokens' hand-overs, which the shares cannot show (whose work
+lands on the core a stage's OpenMP thread is about to need). Threads are named by role and, where
+``py-spy`` is installed, by their Python thread name (``s0:ThreadPoolExecutor-0_1`` is a gRPC
+handler, ``s0:scheduler-0`` the head's decoding thread).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import argparse
 import collections
 import logging
 import multiprocessing as mp
+import re
 import shutil
 import subprocess
 import tempfile
@@ -60,8 +69,32 @@ def roles(stage_pids: list[int], client_pid: int | None, before: list[dict[int, 
     return named
 
 
-def timehist(data: Path) -> list[tuple[float, int, int, float]]:
-    """(end s, cpu, tid, run s) of every stretch a task ran, from ``perf sched timehist``."""
+def python_names(pids: list[int]) -> dict[int, str]:
+    """tid: Python thread name, from ``py-spy dump`` where it is installed (else nothing)."""
+    if shutil.which("py-spy") is None:
+        return {}
+    names = {}
+    for pid in pids:
+        out = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True).stdout
+        for match in re.finditer(r'Thread (\d+) \(\w+\): "([^"]+)"', out):
+            names[int(match.group(1))] = match.group(2)
+    return names
+
+
+def timeline(data: Path, named: dict[int, str], python: dict[int, str], ms: float) -> None:
+    """Every stretch run on each core over ``ms`` from the middle of the recording (see the module)."""
+    rows = timehist(data, with_delay=True)
+    t0 = rows[len(rows) // 2][0]
+    print(f"\n== {ms:.0f} ms of the recording: end of each stretch (ms), core, who, ran (us), woken → ran (us)")
+    for end, cpu, tid, run, delay in rows:
+        if t0 <= end <= t0 + ms / 1e3:
+            who = "idle" if tid == -1 else named.get(tid, "o") + (f":{python[tid]}" if tid in python else "")
+            print(f"  {(end - t0) * 1e3:8.3f}  [{cpu}]  {who:34} {run * 1e6:7.0f} {delay * 1e6:7.0f}")
+
+
+def timehist(data: Path, with_delay: bool = False) -> list[tuple]:
+    """(end s, cpu, tid, run s) of every stretch a task ran, from ``perf sched timehist``; with
+    ``with_delay``, and the time it waited for the core after its wake-up (s)."""
     text = subprocess.run(["perf", "sched", "timehist", "-i", str(data)], capture_output=True, text=True,
                           check=True).stdout
     rows = []
@@ -70,12 +103,12 @@ def timehist(data: Path) -> list[tuple[float, int, int, float]]:
         if len(parts) < 6 or not parts[1].startswith("["):
             continue
         try:
-            end, cpu, run_ms = float(parts[0]), int(parts[1].strip("[]")), float(parts[-1])
+            end, cpu, run_ms, delay_ms = float(parts[0]), int(parts[1].strip("[]")), float(parts[-1]), float(parts[-2])
         except ValueError:
             continue
         task = parts[2]
         tid = -1 if task.startswith("<idle>") else int(task.rsplit("[", 1)[1].split("/")[0].rstrip("]"))
-        rows.append((end, cpu, tid, run_ms / 1e3))
+        rows.append((end, cpu, tid, run_ms / 1e3, delay_ms / 1e3) if with_delay else (end, cpu, tid, run_ms / 1e3))
     return rows
 
 
@@ -128,6 +161,8 @@ def main() -> None:
     parser.add_argument("--with-single", action="store_true")
     parser.add_argument("--interval-ms", type=int, default=None,
                         help="the client's stream_interval_ms (1000: the whole completion, as bench's second figure)")
+    parser.add_argument("--timeline", type=float, default=0.0, metavar="MS",
+                        help="also print who ran on each core, in order, over MS milliseconds of the recording")
     args = parser.parse_args()
     if shutil.which("perf") is None:
         raise SystemExit("core_occupancy needs perf (Debian: apt-get install linux-perf)")
@@ -167,6 +202,7 @@ def main() -> None:
             run.start()
             time.sleep(0.5)
             pids = [p.pid for p in pipeline.local.procs]
+            python = python_names(pids) if args.timeline else {}
             start = [thread_cpu(pid) for pid in pids]
             record(args.seconds, Path(tmp) / "pipeline.data")
             named = roles(pids, client._proc.pid, start, pipeline.threads)
@@ -176,6 +212,8 @@ def main() -> None:
             pipeline.stop()
         title = f"{args.stages} stage(s), {1e3 / figures['tokens_per_s']:.2f} ms/token (client view)"
         report(title, *occupancy(timehist(Path(tmp) / "pipeline.data"), named))
+        if args.timeline:
+            timeline(Path(tmp) / "pipeline.data", named, python, args.timeline)
 
 
 if __name__ == "__main__":

@@ -217,8 +217,8 @@ class Generator:
         tokenizer = runtime.tokenizer
         eog = array.array("i", [t for t in range(tokenizer.n_vocab) if tokenizer.is_eog(t)]).tobytes()
 
-        def lone(request: Step, timeout: float, on_token, limit: int) -> Outputs:
-            return stage.process_lone(request, timeout, on_token=on_token, limit=limit, eog=eog)
+        def lone(request: Step, timeout: float, on_token, limit: int, bell) -> Outputs:
+            return stage.process_lone(request, timeout, on_token=on_token, limit=limit, eog=eog, bell=bell)
         return lone
 
     @staticmethod

@@ -17,7 +17,6 @@ time), so the bookkeeping here is tested without a model.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 import uuid
@@ -39,6 +38,7 @@ from skippy_stage.errors import (
     is_prefix_miss,
 )
 from skippy_stage.head.drafting import DraftBudget, Drafter
+from skippy_stage.head.events import Events
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.model.runtime import TokenLogprob
 from skippy_stage.model.sampling import SamplingParams, plain_greedy
@@ -97,7 +97,7 @@ class Task:
     prompt: list[int]
     sampling: SamplingParams
     max_tokens: int
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    events: Events = field(default_factory=Events)
     prefilled: int = 0
     generated: int = 0
     last_token: int | None = None
@@ -185,7 +185,7 @@ StepFn = Callable[[Step, float], Outputs]
 # The head's lone greedy generation (``Stage.process_lone``): the step, its timeout, the callback
 # for each token fed after the first (None for the first step) that says whether to go on, and
 # how many tokens may come back before the scheduler must see one.
-LoneFn = Callable[[Step, float, Callable[[int | None], bool], int], Outputs]
+LoneFn = Callable[[Step, float, Callable[..., int], int, object], Outputs]
 DropFn = Callable[[str], None]
 PrefixEvent = Callable[[str, int], None]  # ("hit", tokens reused) or ("miss", 0)
 IsEog = Callable[[int], bool]
@@ -576,11 +576,12 @@ class Scheduler:
             pending = self._local.pending = []
         pending.append((task, token))
 
-    def flush_events(self) -> None:
+    def flush_events(self, *, quiet_for: Task | None = None) -> None:
         """Deliver the tokens this worker thread held back (see ``_emit``): each task's together,
         one event. With a stream interval (the task's own, else ``stream_interval_s``), a task's
         tokens wait (here, so its handler is not woken for them) until that long after its last
-        delivery; its end delivers them at once."""
+        delivery; its end delivers them at once. ``quiet_for``: that task's without waking its
+        handler (``Events.put_quiet``: the caller rings)."""
         pending = getattr(self._local, "pending", None)
         if not pending:
             return
@@ -595,7 +596,7 @@ class Scheduler:
             if interval and now < task.delivered_at + interval and not task.cancelled:
                 held.extend((task, token) for token in tokens)
                 continue
-            self._put(task, tokens, now)
+            self._put(task, tokens, now, quiet=task is quiet_for)
         pending[:] = held
 
     def _deliver(self, task: Task) -> None:
@@ -609,19 +610,20 @@ class Scheduler:
             self._put(task, mine, time.monotonic())
 
     @staticmethod
-    def _put(task: Task, tokens: list, now: float) -> None:
+    def _put(task: Task, tokens: list, now: float, *, quiet: bool = False) -> None:
         """One event for the handler: prompt logprobs stay events of their own, ahead of tokens."""
+        put = task.events.put_quiet if quiet else task.events.put
         run: list = []
         for token in tokens:
             if isinstance(token, PromptLogprobs):
                 if run:
-                    task.events.put(run[0] if len(run) == 1 else Tokens(tuple(run)))
+                    put(run[0] if len(run) == 1 else Tokens(tuple(run)))
                     run = []
-                task.events.put(token)
+                put(token)
             else:
                 run.append(token)
         if run:
-            task.events.put(run[0] if len(run) == 1 else Tokens(tuple(run)))
+            put(run[0] if len(run) == 1 else Tokens(tuple(run)))
         task.delivered_at = now
 
     def _run_step(self, batch: list[Task]) -> None:
@@ -635,7 +637,12 @@ class Scheduler:
         try:
             limit = self._lone_limit(batch, plan, entries)
             if limit:
-                response = self._lone(request, self.limits.step_timeout_s, self._on_lone_token(batch[0]), limit)
+                events = batch[0].events
+                try:
+                    response = self._lone(request, self.limits.step_timeout_s, self._on_lone_token(batch[0]), limit,
+                                          events.bell)
+                finally:
+                    events.ring()  # what the token callback put that the C loop did not ring for
             else:
                 response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
@@ -749,15 +756,18 @@ class Scheduler:
         """Another session waits or runs (or the head closes): the scheduler's turn."""
         return bool(self._waiting) or self._closed or sum(len(g) for g in self._groups) > 1
 
-    def _on_lone_token(self, task: Task) -> Callable[[int | None], bool]:
-        def on_token(token: int | None) -> bool:
-            """A token the lone generation fed on (its frame has left): taken as a step's would be."""
+    def _on_lone_token(self, task: Task) -> Callable[..., int]:
+        def on_token(token: int | None, quiet: bool = False) -> int:
+            """A token the lone generation fed on (its frame has left): taken as a step's would be.
+            Returns bit 0: go on; bit 1 (``quiet``, from the C loop): its handler's bell is the
+            caller's to ring, once the GIL is released (``Events``)."""
             if token is not None:
                 self.steps += 1
                 task.samples += 1
                 self._take(task, token, fed_now=True)
-            self.flush_events()
-            return not (task.cancelled or self._others_active())
+            self.flush_events(quiet_for=task if quiet else None)
+            ring = 2 if quiet and task.events.hand_ring() else 0
+            return ring | (not (task.cancelled or self._others_active()))
         return on_token
 
     def _send_prompt_logprobs(self, task: Task) -> bool:

@@ -195,7 +195,7 @@ class NativeHead:
         return True
 
     def lone(self, step: Step, stage, downstream, link, *, timeout_s: float, limit: int, eog: bytes,
-             on_token) -> tuple | None:
+             on_token, bell=None) -> tuple | None:
         """Run ``step`` (one plain decode entry) and the steps that follow it on each token that
         comes back, in C (``FramePath.lone``: the outcomes and the limits are its); None (nothing
         done) when the step is not one it can take."""
@@ -214,7 +214,8 @@ class NativeHead:
         try:
             return self._path.lone(self.wait, wire.SerializeToString(), step.request_id.encode(),
                                    secrets.token_hex(16).encode(), position, token, draws, limit, eog, timeout_s,
-                                   link.sock, link.send_lock, stage.gate.passing(), stage, downstream, link, on_token)
+                                   link.sock, link.send_lock, stage.gate.passing(), stage, downstream, link, on_token,
+                                   bell if isinstance(bell, _frames.Bell) else None)
         finally:
             self._lone_lock.release()
 

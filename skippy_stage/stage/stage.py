@@ -574,14 +574,17 @@ class Stage:
             if key:
                 self.returns.forget(key)
 
-    def process_lone(self, step: Step, remaining_s: float | None, *, on_token: Callable[[int | None], bool],
-                     limit: int, eog: bytes) -> Outputs:
+    def process_lone(self, step: Step, remaining_s: float | None, *, on_token: Callable[..., int],
+                     limit: int, eog: bytes, bell: object = None) -> Outputs:
         """``process`` for the head's lone greedy generation: ``step`` (one plain decode entry)
         and, on each token that comes back, the next step with it, in C
         (``NativeHead.lone``), while fewer than ``limit`` tokens came back, none in ``eog`` and
         ``on_token`` (called once a step's frame has left: None for the first, else the token it
-        fed) returns true. Returns the last step's outputs, or raises its error, as ``process``
-        would for that step; anything the C path cannot take runs through ``process``."""
+        fed) says go on. From the C loop it is called ``on_token(fed, True)`` and returns bit 0 go
+        on, bit 1 ring ``bell`` (``_frames.Bell``, rung once the GIL is released); called here, with
+        the token alone, it wakes its handler itself. Returns the last step's outputs, or raises
+        its error, as ``process`` would for that step; anything the C path cannot take runs
+        through ``process``."""
         native = self.native_head
         downstream = self.downstream
         hop = downstream.hop if isinstance(downstream, DownstreamClient) else None
@@ -590,7 +593,7 @@ class Stage:
         if native is not None and link is not None and not step.return_key:
             timeout = downstream.timeout_for(remaining_s)
             done = native.lone(step, self, downstream, link, timeout_s=timeout, limit=limit, eog=eog,
-                               on_token=on_token)
+                               on_token=on_token, bell=bell)
         if done is None:
             return self.process(step, remaining_s, on_sent=lambda: on_token(None))
         how, value, steps, computes, hops, final_id = done

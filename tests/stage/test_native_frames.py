@@ -439,10 +439,11 @@ class Below:
 
 
 def lone(head_path, edge: Edge, wait, entry: bytes, position: int, token: int, *, limit: int = 100,
-         eog: tuple[int, ...] = (), timeout_s: float = 5.0, on_token=lambda token: True):
+         eog: tuple[int, ...] = (), timeout_s: float = 5.0, on_token=lambda token: True, bell=None):
     return head_path.lone(wait, entry, b"step-7", b"run", position, token, position, limit,
                           np.asarray(eog, dtype=np.int32).tobytes(), timeout_s, edge.link.ours, edge.link.lock,
-                          EdgeGate().passing(), edge.stage, edge.downstream, edge.link, on_token)
+                          EdgeGate().passing(), edge.stage, edge.downstream, edge.link,
+                          lambda fed, from_c: on_token(fed), bell)
 
 
 def lone_entry(session: str) -> bytes:
@@ -483,6 +484,28 @@ def test_a_lone_run_feeds_each_returned_token_to_the_next_step_until_its_limit(c
     keys = [f.request.return_key for f in below.frames]
     assert len(set(keys)) == 3 and all(k.startswith("run.") for k in keys)
     assert head.lanes.lane_of("lone").n_tokens == head.lanes.lane_of("py").n_tokens == pos + 3
+
+
+def test_a_lone_run_rings_the_handlers_bell_only_when_its_callback_asks(chain3, head_path, lone_head, link):
+    """The token callback runs with the GIL held; a handler woken there would block on the GIL and
+    be woken again. So the callback puts its tokens quietly and asks (bit 1) for the bell, which the
+    C loop rings once it has released the GIL; a callback that put nothing does not ring it."""
+    head, pos = lone_head
+    wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
+    Below(link, wait, lambda request: returned(request.return_key, "lone", 7))
+    bell = native_frames._frames.Bell()
+    woken: list[bool] = []
+    waiter = threading.Thread(target=lambda: woken.append(bell.wait(5.0)))
+    waiter.start()
+    done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42, limit=2, bell=bell,
+                on_token=lambda t: 1 if t is None else 3)  # the second step's callback asks for a ring
+    waiter.join(10)
+    assert done[:3] == (native_frames.LONE_TOKEN, 7, 2)
+    assert woken == [True]
+    assert bell.wait(0.0) is False  # rung once, not at the first step's callback
+    done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos + 2, 42, limit=2, bell=bell,
+                on_token=lambda t: 1)
+    assert done[:3] == (native_frames.LONE_TOKEN, 7, 2) and bell.wait(0.05) is False
 
 
 def test_a_lone_run_stops_after_an_end_of_generation_token_or_when_told(chain3, head_path, lone_head, link):

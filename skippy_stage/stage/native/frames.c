@@ -917,6 +917,121 @@ done:
     return result;
 }
 
+/* -- a handler's wake-up, rung without the GIL ----------------------------------------------------
+ *
+ * A Generate handler waits on its task's Bell for the scheduler's events. Rung from Python (``ring``)
+ * it is a condition variable; the head's lone generation rings it from C after the loop has released
+ * the GIL (``lone``'s ``bell``), so the handler does not wake into a GIL the scheduler's thread
+ * still holds (woken, blocked on the GIL, woken again: four switches of a core the next stage's
+ * decode is about to need). ``wait`` returns once rung since the last wait (the rings between two
+ * waits count as one: the waiter takes whatever was put before them), or False at its timeout. */
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cond; /* on CLOCK_MONOTONIC */
+    int ready;
+    int rung;
+} Bell;
+
+static int Bell_init(Bell *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "", names)) return -1;
+    if (!self->ready) {
+        pthread_condattr_t attr;
+        pthread_condattr_init(&attr);
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+        pthread_cond_init(&self->cond, &attr);
+        pthread_condattr_destroy(&attr);
+        pthread_mutex_init(&self->mu, NULL);
+        self->ready = 1;
+    }
+    return 0;
+}
+
+static void Bell_dealloc(Bell *self) {
+    if (self->ready) {
+        pthread_cond_destroy(&self->cond);
+        pthread_mutex_destroy(&self->mu);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Callable with or without the GIL. Signalled after unlocking: a waiter woken on this thread's
+ * core would otherwise run only to block on the mutex still held here, and be woken again. */
+static void bell_ring(Bell *self) {
+    pthread_mutex_lock(&self->mu);
+    self->rung = 1;
+    pthread_mutex_unlock(&self->mu);
+    pthread_cond_signal(&self->cond);
+}
+
+static PyObject *Bell_ring(Bell *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Bell: not initialised");
+        return NULL;
+    }
+    bell_ring(self);
+    Py_RETURN_NONE;
+}
+
+/* wait(timeout_s: float | None) -> bool */
+static PyObject *Bell_wait(Bell *self, PyObject *arg) {
+    double timeout = -1;
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Bell: not initialised");
+        return NULL;
+    }
+    if (arg != Py_None) {
+        timeout = PyFloat_AsDouble(arg);
+        if (timeout == -1 && PyErr_Occurred()) return NULL;
+        if (!(timeout >= 0)) timeout = 0; /* negative or NaN: do not wait */
+        if (timeout > 1e6) timeout = 1e6;
+    }
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    if (timeout >= 0) {
+        double whole = floor(timeout);
+        until.tv_sec += (time_t)whole;
+        until.tv_nsec += (long)((timeout - whole) * 1e9);
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&self->mu);
+    while (!self->rung) {
+        if (timeout < 0)
+            pthread_cond_wait(&self->cond, &self->mu);
+        else if (pthread_cond_timedwait(&self->cond, &self->mu, &until) == ETIMEDOUT)
+            break;
+    }
+    got = self->rung;
+    self->rung = 0;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(got);
+}
+
+static PyMethodDef Bell_methods[] = {
+    {"ring", (PyCFunction)Bell_ring, METH_NOARGS, "ring() -> None: wake the waiter (or the next wait)"},
+    {"wait", (PyCFunction)Bell_wait, METH_O,
+     "wait(timeout_s or None) -> bool: True once rung since the last wait, False at the timeout"},
+    {NULL}};
+
+static PyTypeObject BellType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._frames.Bell",
+    .tp_basicsize = sizeof(Bell),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Bell_init,
+    .tp_dealloc = (destructor)Bell_dealloc,
+    .tp_methods = Bell_methods,
+    .tp_doc = "A handler's wake-up that C can ring without the GIL.",
+};
+
 /* -- the head's lone greedy generation -------------------------------------------------------------
  *
  * One session alone at the head, decoding greedily, one plain token a step: what the scheduler's
@@ -1344,12 +1459,14 @@ static int same_edge(PyObject *stage, PyObject *downstream, PyObject *link) {
 }
 
 /* lone(wait, template, request_id, key_prefix, position, token, draws, limit, eog, timeout_s, sock,
- *      send_lock, gate_pass, stage, downstream, link, on_token)
+ *      send_lock, gate_pass, stage, downstream, link, on_token, bell)
  *   -> (how, value, steps, computes, hops, final_stage_id)
  * Steps of one session from ``position`` on: the entry ``template`` (a BatchEntry without
  * positions, token_ids and draws_before) fed ``token``, then each token that comes back, while
  * fewer than ``limit`` tokens came back, none of them in ``eog`` (int32s), and ``on_token`` (called
- * once a step's frame has left: None for the first step, else the token it fed) returns true.
+ * once a step's frame has left as ``on_token(fed, True)``: ``fed`` None for the first step, else
+ * the token it fed) says go on: it returns an int, bit 0 go on, bit 1 ring ``bell`` (a Bell, or
+ * None) — done here once the GIL is released, before the wait for the step's return.
  * how LONE_TOKEN: ``value`` the last token, which the caller takes; LONE_SETTLED: the last step's
  * outcome as ``settle`` gave it; LONE_DECLINED: ``value`` the token whose step the C path declined
  * (nothing of it done: the caller runs it); LONE_DECODE_FAILED, LONE_UNSENT: the decode or the send
@@ -1360,15 +1477,24 @@ static int same_edge(PyObject *stage, PyObject *downstream, PyObject *link) {
 static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
     ReturnWait *wait;
     PyObject *template, *request, *prefix, *eog, *sock, *send_lock, *gate_pass, *stage, *downstream, *link, *on_token;
+    PyObject *bell_obj;
     long long position;
     int token;
     unsigned long long draws;
     long limit;
     double timeout;
-    if (!PyArg_ParseTuple(args, "O!SSSLiKlSdOOOOOOO", &ReturnWaitType, &wait, &template, &request, &prefix, &position,
+    if (!PyArg_ParseTuple(args, "O!SSSLiKlSdOOOOOOOO", &ReturnWaitType, &wait, &template, &request, &prefix, &position,
                           &token, &draws, &limit, &eog, &timeout, &sock, &send_lock, &gate_pass, &stage, &downstream,
-                          &link, &on_token))
+                          &link, &on_token, &bell_obj))
         return NULL;
+    Bell *bell = NULL;
+    if (bell_obj != Py_None) {
+        if (!PyObject_TypeCheck(bell_obj, &BellType) || !((Bell *)bell_obj)->ready) {
+            PyErr_SetString(PyExc_TypeError, "FramePath.lone: bell must be an initialised Bell or None");
+            return NULL;
+        }
+        bell = (Bell *)bell_obj;
+    }
     if (!self->head || PyBytes_GET_SIZE(template) > 4096 || PyBytes_GET_SIZE(request) > 200
         || PyBytes_GET_SIZE(prefix) > 40 || PyBytes_GET_SIZE(eog) % 4 || limit < 1 || position < 0) {
         PyErr_SetString(PyExc_ValueError, "FramePath.lone: the head's path only, a template of at most 4096 bytes, "
@@ -1470,16 +1596,18 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
             goto out;
         }
         if (steps == 1) Py_INCREF(fed);
-        PyObject *go = PyObject_CallOneArg(on_token, fed);
+        PyObject *go = PyObject_CallFunctionObjArgs(on_token, fed, Py_True, NULL);
         Py_DECREF(fed);
-        int proceed = go == NULL ? -1 : PyObject_IsTrue(go);
+        long flags = go == NULL ? -1 : PyLong_AsLong(go);
         Py_XDECREF(go);
-        if (proceed < 0) {
+        if (flags == -1 && (go == NULL || PyErr_Occurred())) {
             wait_reset(wait);
             goto out;
         }
+        int proceed = (flags & 1) != 0, ring = bell != NULL && (flags & 2) != 0;
         int state;
         Py_BEGIN_ALLOW_THREADS
+        if (ring) bell_ring(bell); /* the handler wakes into a free GIL */
         struct timespec until;
         clock_gettime(CLOCK_MONOTONIC, &until);
         double t = timeout + 0.05, whole = floor(t);
@@ -1611,7 +1739,7 @@ static PyMethodDef FramePath_methods[] = {
      "run(body, sock, send_lock, sink): the frame decoded and its output sent, or None (declined)"},
     {"lone", (PyCFunction)FramePath_lone, METH_VARARGS,
      "lone(wait, template, request_id, key_prefix, position, token, draws, limit, eog, timeout_s, sock, send_lock, "
-     "gate_pass, stage, downstream, link, on_token) -> (how, value, steps, computes, hops, final_stage_id)"},
+     "gate_pass, stage, downstream, link, on_token, bell) -> (how, value, steps, computes, hops, final_stage_id)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1649,7 +1777,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", NULL, -1, module_methods};
 
 PyMODINIT_FUNC PyInit__frames(void) {
-    PyTypeObject *types[] = {&FramePathType, &ReturnWaitType, &FrameReaderType};
+    PyTypeObject *types[] = {&FramePathType, &ReturnWaitType, &FrameReaderType, &BellType};
     PyObject *m = NULL;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
