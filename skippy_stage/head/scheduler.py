@@ -637,12 +637,16 @@ class Scheduler:
         try:
             limit = self._lone_limit(batch, plan, entries)
             if limit:
-                events = batch[0].events
+                task, fed = batch[0], []
                 try:
-                    response = self._lone(request, self.limits.step_timeout_s, self._on_lone_token(batch[0]), limit,
-                                          events.bell)
+                    response = self._lone(request, self.limits.step_timeout_s, self._on_lone_token(task, fed), limit,
+                                          task.events.bell)
                 finally:
-                    events.ring()  # what the token callback put that the C loop did not ring for
+                    task.events.ring()  # what the token callback put that the C loop did not ring for
+                    for token in fed:  # the callback's bookkeeping, left until the run is over
+                        self.steps += 1
+                        task.samples += 1
+                        self._record(task, token, fed_now=True)
             else:
                 response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
@@ -756,19 +760,45 @@ class Scheduler:
         """Another session waits or runs (or the head closes): the scheduler's turn."""
         return bool(self._waiting) or self._closed or sum(len(g) for g in self._groups) > 1
 
-    def _on_lone_token(self, task: Task) -> Callable[..., int]:
+    def _on_lone_token(self, task: Task, fed: list[int]) -> Callable[..., int]:
+        """The lone generation's token callback. It runs right after each frame has left, on the
+        core the next stage's decode is about to need, on caches that decode emptied: it only hands
+        the token to the handler and records it in ``fed``; the scheduler's bookkeeping for the
+        tokens waits until the run is over (``_run_step``), when ``_record`` does it as ``_take``
+        would have. Every token it gets was fed to a step, so the C loop has already checked it
+        (no end of generation, within the limits)."""
+        events, cancelled = task.events, task._cancelled
+        interval = self.limits.stream_interval_s if task.stream_interval_s is None else task.stream_interval_s
+
         def on_token(token: int | None, quiet: bool = False) -> int:
-            """A token the lone generation fed on (its frame has left): taken as a step's would be.
-            Returns bit 0: go on; bit 1 (``quiet``, from the C loop): its handler's bell is the
+            """Returns bit 0: go on; bit 1 (``quiet``, from the C loop): its handler's bell is the
             caller's to ring, once the GIL is released (``Events``)."""
             if token is not None:
-                self.steps += 1
-                task.samples += 1
-                self._take(task, token, fed_now=True)
-            self.flush_events(quiet_for=task if quiet else None)
-            ring = 2 if quiet and task.events.hand_ring() else 0
-            return ring | (not (task.cancelled or self._others_active()))
+                fed.append(token)
+                if interval:  # held (``flush_events``) until the interval has passed
+                    self._emit(task, token)
+                    self.flush_events(quiet_for=task if quiet else None)
+                elif quiet:
+                    events.put_quiet(token)
+                    task.delivered_at = time.monotonic()
+                else:
+                    events.put(token)
+                    task.delivered_at = time.monotonic()
+            else:  # the first step's frame: what the step before it emitted goes now
+                self.flush_events(quiet_for=task if quiet else None)
+            ring = 2 if quiet and events.hand_ring() else 0
+            return ring | (not (cancelled.is_set() or self._others_active()))
         return on_token
+
+    @staticmethod
+    def _record(task: Task, token: int, *, fed_now: bool) -> None:
+        """``task`` generated ``token`` (the bookkeeping of ``_take``, without emitting it)."""
+        if task.last_token is not None and fed_now:
+            task.history.append(task.last_token)  # it was fed in this step
+        elif not task.history:
+            task.history = list(task.prompt)
+        task.generated += 1
+        task.last_token = token
 
     def _send_prompt_logprobs(self, task: Task) -> bool:
         """Emit the prompt's logprobs ahead of its first sampled token; False if some are missing."""
@@ -787,12 +817,7 @@ class Scheduler:
             task.events.put(End(FINISH_STOP))
             task.cancel()
             return False
-        if task.last_token is not None and fed_now:
-            task.history.append(task.last_token)  # it was fed in this step
-        elif not task.history:
-            task.history = list(task.prompt)
-        task.generated += 1
-        task.last_token = token
+        self._record(task, token, fed_now=fed_now)
         self._emit(task, token if logprob is None else Sampled(token, logprob))
         position = len(task.prompt) + task.generated - 1
         if task.generated >= task.max_tokens or position + 1 >= self.limits.max_context:
