@@ -144,7 +144,7 @@ def _waiting_tokens(task: Task, event: int | Sampled | Tokens) -> tuple[list[int
     """``event``'s tokens and those queued behind it, for one message: a handler that fell behind
     (the cores busy decoding) catches up in one send rather than one a token, each of which costs
     gRPC's hand-offs between threads. The first event that is not a token (End, Failed) is
-    returned, to be handled after them."""
+    returned, to be handled after them (None: none has come)."""
     items = list(event.items) if isinstance(event, Tokens) else [event]
     while True:
         try:
@@ -323,16 +323,18 @@ class Generator:
         pending_ids: list[int] = []
         pending_lps: list[TokenLogprob] = []
         reason = FINISH_LENGTH
+        event = None  # the next event, when one came behind a run of tokens
         try:
             while True:
-                try:
-                    event = task.events.get(timeout=_POLL_S)
-                except queue.Empty:
-                    remaining = remaining_s()
-                    if not is_active() or (remaining is not None and remaining <= 0):
-                        slog.info("generation abandoned by the client", completion_tokens=completion)
-                        return
-                    continue
+                if event is None:
+                    try:
+                        event = task.events.get(timeout=_POLL_S)
+                    except queue.Empty:
+                        remaining = remaining_s()
+                        if not is_active() or (remaining is not None and remaining <= 0):
+                            slog.info("generation abandoned by the client", completion_tokens=completion)
+                            return
+                        continue
                 if isinstance(event, Failed):
                     raise event.error
                 if isinstance(event, End):
@@ -340,10 +342,11 @@ class Generator:
                     break
                 if isinstance(event, PromptLogprobs):
                     yield event
+                    event = None
                     continue
                 # Several at once under stream_interval_ms (the scheduler held them), or tokens that
                 # came while the last message was being sent: one message.
-                items, after = _waiting_tokens(task, event)
+                items, event = _waiting_tokens(task, event)
                 text = ""
                 for token in items:
                     completion += 1
@@ -363,13 +366,6 @@ class Generator:
                 if text:
                     yield Piece(text, pending_ids, pending_lps)
                     pending_ids, pending_lps = [], []
-                if isinstance(after, Failed):
-                    raise after.error
-                if isinstance(after, End):
-                    reason = after.reason
-                    break
-                if isinstance(after, PromptLogprobs):
-                    yield after
             if not scanner.stopped:
                 tail = scanner.feed(decoder.decode(b"", final=True))
                 if not scanner.stopped:

@@ -917,6 +917,31 @@ done:
     return result;
 }
 
+/* A condition variable that times out on CLOCK_MONOTONIC (wall-clock steps cannot cut a wait
+ * short or stretch it), and its mutex. */
+static void monotonic_cond_init(pthread_cond_t *cond, pthread_mutex_t *mu) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(cond, &attr);
+    pthread_condattr_destroy(&attr);
+    pthread_mutex_init(mu, NULL);
+}
+
+/* CLOCK_MONOTONIC's time ``seconds`` (>= 0) from now, for pthread_cond_timedwait. */
+static struct timespec monotonic_after(double seconds) {
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    double whole = floor(seconds);
+    until.tv_sec += (time_t)whole;
+    until.tv_nsec += (long)((seconds - whole) * 1e9);
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    return until;
+}
+
 /* -- a handler's wake-up, rung without the GIL ----------------------------------------------------
  *
  * A Generate handler waits on its task's Bell for the scheduler's events. Rung from Python (``ring``)
@@ -938,12 +963,7 @@ static int Bell_init(Bell *self, PyObject *args, PyObject *kw) {
     static char *names[] = {NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "", names)) return -1;
     if (!self->ready) {
-        pthread_condattr_t attr;
-        pthread_condattr_init(&attr);
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-        pthread_cond_init(&self->cond, &attr);
-        pthread_condattr_destroy(&attr);
-        pthread_mutex_init(&self->mu, NULL);
+        monotonic_cond_init(&self->cond, &self->mu);
         self->ready = 1;
     }
     return 0;
@@ -990,17 +1010,7 @@ static PyObject *Bell_wait(Bell *self, PyObject *arg) {
     }
     int got;
     Py_BEGIN_ALLOW_THREADS
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    if (timeout >= 0) {
-        double whole = floor(timeout);
-        until.tv_sec += (time_t)whole;
-        until.tv_nsec += (long)((timeout - whole) * 1e9);
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
-    }
+    struct timespec until = monotonic_after(timeout >= 0 ? timeout : 0);
     pthread_mutex_lock(&self->mu);
     while (!self->rung) {
         if (timeout < 0)
@@ -1072,12 +1082,7 @@ static int ReturnWait_init(ReturnWait *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (!self->ready) {
-        pthread_condattr_t attr;
-        pthread_condattr_init(&attr);
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-        pthread_cond_init(&self->cond, &attr);
-        pthread_condattr_destroy(&attr);
-        pthread_mutex_init(&self->mu, NULL);
+        monotonic_cond_init(&self->cond, &self->mu);
         self->ready = 1;
     }
     return 0;
@@ -1608,15 +1613,7 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         int state;
         Py_BEGIN_ALLOW_THREADS
         if (ring) bell_ring(bell); /* the handler wakes into a free GIL */
-        struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        double t = timeout + 0.05, whole = floor(t);
-        until.tv_sec += (time_t)whole;
-        until.tv_nsec += (long)((t - whole) * 1e9);
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
+        struct timespec until = monotonic_after(timeout + 0.05);
         pthread_mutex_lock(&wait->mu);
         while (wait->state == W_WAITING)
             if (pthread_cond_timedwait(&wait->cond, &wait->mu, &until) == ETIMEDOUT) break;
