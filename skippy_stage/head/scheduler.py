@@ -183,8 +183,9 @@ class SchedulerLimits:
 
 StepFn = Callable[[Step, float], Outputs]
 # The head's lone greedy generation (``Stage.process_lone``): the step, its timeout, the callback
-# for each token fed after the first (None for the first step) that says whether to go on, and
-# how many tokens may come back before the scheduler must see one.
+# for each token fed after the first (None for the first step) that says whether to go on (and,
+# called from C, whether to ring the handler's bell), how many tokens may come back before the
+# scheduler must see one, and the handler's bell (``Events.bell``).
 LoneFn = Callable[[Step, float, Callable[..., int], int, object], Outputs]
 DropFn = Callable[[str], None]
 PrefixEvent = Callable[[str, int], None]  # ("hit", tokens reused) or ("miss", 0)
@@ -780,10 +781,8 @@ class Scheduler:
                     self.flush_events(quiet_for=task if quiet else None)
                 elif quiet:
                     events.put_quiet(token)
-                    task.delivered_at = time.monotonic()
                 else:
                     events.put(token)
-                    task.delivered_at = time.monotonic()
             else:  # the first step's frame: what the step before it emitted goes now
                 self.flush_events(quiet_for=task if quiet else None)
             ring = 2 if quiet and events.hand_ring() else 0
