@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -31,7 +32,8 @@ SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]
 
 
 def _env(text: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in text.split(",") if item)
+    """KEY=VALUE,KEY=VALUE: a comma starts a new item only before KEY= (values may hold commas)."""
+    return dict(item.split("=", 1) for item in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", text) if item)
 
 
 def _start(n_stages: int, extra: dict, env: dict[str, str], workdir: Path, cache_dir: str):

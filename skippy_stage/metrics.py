@@ -22,6 +22,8 @@ _ENTRY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # (interpolated within a bucket, so 0.2-0.5 ms in one bucket read a 230 us median as ~300).
 _HOP_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00015, 0.0002, 0.00025, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.002,
                 0.005, 0.01, 0.05, 0.25, 1.0)
+_TPOT_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.25, 1.0)
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -141,6 +143,14 @@ class StageMetrics:
                                      "session's KV (fork_of: n choices of one prompt)", registry=r)
         self.fork_tokens_copied = Counter("skippy_fork_tokens_copied", "Tokens whose KV a fork copied instead of "
                                           "computing them again", registry=r)
+        # What a streaming client sees, measured where the text leaves (the head): the wait for the
+        # first token's message, and the mean gap between a generation's messages after it.
+        self.time_to_first_token = Histogram(
+            "skippy_time_to_first_token_seconds", "Seconds from a generation's arrival at the head to its first "
+            "text leaving for the client", buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            "skippy_time_per_output_token_seconds", "Per generation, seconds from its first text leaving for the "
+            "client to its end, over the tokens after the first message", buckets=_TPOT_BUCKETS, registry=r)
         self.session_recoveries = Counter("skippy_session_recoveries", "Sessions the head re-prefilled through the "
                                           "chain after a stage below failed", registry=r)
         self._gauges = {

@@ -13,6 +13,7 @@ import array
 import codecs
 import dataclasses
 import queue
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -157,6 +158,30 @@ def _waiting_tokens(task: Task, event: int | Sampled | Tokens) -> tuple[list[int
             return items, more
         else:
             items.append(more)
+
+
+class _StreamTiming:
+    """A generation's time to first token and time per output token, as a streaming client sees
+    them but taken at the head, when each message is handed to gRPC: the figures hold whatever
+    the client does with the messages (``bench`` times a client that reads them only at the end)."""
+
+    def __init__(self, metrics) -> None:
+        self._metrics = metrics
+        self._first_at: float | None = None
+        self._first_tokens = 0
+
+    def piece(self, task: Task, tokens: int) -> None:
+        """A message is about to leave with ``tokens`` tokens."""
+        if self._first_at is not None:
+            return
+        self._first_at = time.monotonic()
+        self._first_tokens = tokens
+        self._metrics.time_to_first_token.observe(self._first_at - task.enqueued_at)
+
+    def end(self, completion: int) -> None:
+        after_first = completion - self._first_tokens
+        if self._first_at is not None and after_first > 0:
+            self._metrics.time_per_output_token.observe((time.monotonic() - self._first_at) / after_first)
 
 
 class Generator:
@@ -323,6 +348,7 @@ class Generator:
         pending_ids: list[int] = []
         pending_lps: list[TokenLogprob] = []
         reason = FINISH_LENGTH
+        timing = _StreamTiming(self.stage.metrics)
         event = None  # the next event, when one came behind a run of tokens
         try:
             while True:
@@ -360,10 +386,12 @@ class Generator:
                 if scanner.stopped:
                     reason = FINISH_STOP
                     if text:
+                        timing.piece(task, len(pending_ids))
                         yield Piece(text, pending_ids, pending_lps)
                     pending_ids, pending_lps = [], []
                     break
                 if text:
+                    timing.piece(task, len(pending_ids))
                     yield Piece(text, pending_ids, pending_lps)
                     pending_ids, pending_lps = [], []
             if not scanner.stopped:
@@ -371,7 +399,9 @@ class Generator:
                 if not scanner.stopped:
                     tail += scanner.flush()  # no stop string can complete any more
                 if tail or pending_ids:
+                    timing.piece(task, len(pending_ids))
                     yield Piece(tail, pending_ids, pending_lps)
+            timing.end(completion)
             yield Finish(reason, len(task.prompt), completion, task.session_id, task.cached_tokens)
         finally:
             task.cancel()  # the scheduler frees the session on every stage

@@ -37,6 +37,32 @@ def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pi
         pipeline.stop()
 
 
+def test_the_head_reports_each_generations_time_to_first_token_and_time_per_output_token(smollm2, start_pipeline):
+    """What a streaming client waits for, measured where the text leaves: one observation of each
+    per generation, within the time the client itself saw; a one-token generation has no time per
+    output token."""
+    import time
+
+    (port,) = free_ports("127.0.0.1", 1)
+    pipeline = start_pipeline(smollm2, [(0, 15), (15, 30)], n_threads=1, metrics_port=[port, None])
+    try:
+        started = time.monotonic()
+        _, last = grpc_generate(pipeline.head_endpoint, "The capital of France is", 12)
+        elapsed = time.monotonic() - started
+        assert last.completion_tokens == 12
+        m = scrape(port)
+        assert value(m, "skippy_time_to_first_token_seconds_count") == 1
+        assert 0 < value(m, "skippy_time_to_first_token_seconds_sum") < elapsed
+        assert value(m, "skippy_time_per_output_token_seconds_count") == 1
+        assert 0 < value(m, "skippy_time_per_output_token_seconds_sum") * 11 < elapsed
+        grpc_generate(pipeline.head_endpoint, "The capital of France is", 1)
+        m = scrape(port)
+        assert value(m, "skippy_time_to_first_token_seconds_count") == 2
+        assert value(m, "skippy_time_per_output_token_seconds_count") == 1
+    finally:
+        pipeline.stop()
+
+
 def test_every_log_line_names_the_stage_and_run_and_a_request_logs_once_not_per_token(smollm2, start_pipeline, tmp_path):
     import json
 
