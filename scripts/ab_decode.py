@@ -77,6 +77,8 @@ def main() -> None:
     sides = {"A": (json.loads(args.a), _env(args.a_env)), "B": (json.loads(args.b), _env(args.b_env))}
     sizes = [int(n) for n in args.stages.split(",")]
     runs: dict[tuple[int, str], list[float]] = {(n, side): [] for n in sizes for side in sides}
+    # The median "frame sent -> compute starts at the next stage" of each measured run (stage histograms).
+    hop_us: dict[tuple[int, str], list[float]] = {(n, side): [] for n in sizes for side in sides}
     with tempfile.TemporaryDirectory(prefix="skippy-ab-") as tmp:
         cache_dir = str(Path(tmp) / "slices")
         client = bench.QuietClient()
@@ -92,13 +94,17 @@ def main() -> None:
                 for n in sizes:
                     for side in order:
                         pipeline = pipelines[(n, side)]
-                        def measure(pipeline=pipeline) -> dict[str, float]:
+                        def measure(pipeline=pipeline) -> tuple[dict[str, float], float]:
                             client.generate(pipeline.endpoint, bench.PROMPT, 8)
-                            return client.generate(pipeline.endpoint, bench.PROMPT, args.tokens + 1)
+                            before = [bench._histogram_sums(p) for p in pipeline.metrics_ports]
+                            figures = client.generate(pipeline.endpoint, bench.PROMPT, args.tokens + 1)
+                            after = [bench._histogram_sums(p) for p in pipeline.metrics_ports]
+                            return figures, bench.hop_latency_median_us(before, after)
 
                         with bench._awake(pipelines.values(), pipeline):
-                            figures = bench.after_freeze(measure)
+                            figures, hop = bench.after_freeze(measure)
                         runs[(n, side)].append(1e3 / figures["tokens_per_s"])
+                        hop_us[(n, side)].append(hop)
                 print(f"round {index}: " + ", ".join(f"{n} stages {side} {runs[(n, side)][-1]:.2f}"
                                                      for n in sizes for side in sides), flush=True)
         finally:
@@ -110,7 +116,9 @@ def main() -> None:
         ratios = [x / y for x, y in zip(a, b)]
         mean, two_se = mean_2se(ratios)
         print(f"{n} stages: A {statistics.median(a):.2f} B {statistics.median(b):.2f} ms/token (medians); A/B per "
-              f"round {mean:.3f} ± {two_se:.3f} (mean ± 2 s.e.), {sum(r > 1 for r in ratios)} of {len(ratios)} B faster")
+              f"round {mean:.3f} ± {two_se:.3f} (mean ± 2 s.e.), {sum(r > 1 for r in ratios)} of {len(ratios)} B faster; "
+              f"hop latency A {statistics.median(hop_us[(n, 'A')]):.0f} B {statistics.median(hop_us[(n, 'B')]):.0f} us "
+              f"(medians of the runs' medians)")
 
 
 if __name__ == "__main__":

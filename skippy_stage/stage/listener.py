@@ -146,13 +146,15 @@ class FrameListener:
                 pass  # the upstream is gone; it fails its own steps
         stage.inbound.add(sink)
         native = stage.native
+        # Where the frame path is compiled, a plain link is read in C too.
+        reads = (native_frames.link_reader(link) if native is not None else None) or link
         try:
             while True:
                 frames = []
                 # Whatever has arrived by the time this thread is free runs as one decode.
-                while not frames or (len(frames) < MAX_COALESCED and link.readable()):
+                while not frames or (len(frames) < MAX_COALESCED and reads.readable()):
                     try:
-                        kind, body = link.receive()
+                        kind, body = reads.receive()
                         tracing.mark("recv")
                     except InvalidRequestError as exc:
                         # Too large to read: the link is out of step. Say why, then close it.
@@ -163,7 +165,7 @@ class FrameListener:
                     # A frame alone on the link may take the compiled path (frames that came
                     # together are coalesced in Python instead).
                     if (native is not None and not frames and kind == framing.Kind.HOP_REQUEST
-                            and not link.readable() and native.run(body, sink)):
+                            and not reads.readable() and native.run(body, sink)):
                         tracing.mark("done")
                         continue
                     try:

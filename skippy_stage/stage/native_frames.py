@@ -231,6 +231,34 @@ def return_reader(link: framing.FrameSocket):
     return reader
 
 
+class LinkReader:
+    """A plain link's reading end in C (a _frames.FrameReader), with ``FrameSocket``'s reading
+    contract: ``receive`` and ``readable``. A stage below the head reads its upstream's frames
+    through it: a frame's bytes reach the frame path without the Python of a buffered read, on
+    the path from the upstream's send to this stage's compute (the hop latency)."""
+
+    __slots__ = ("_reader",)
+
+    def __init__(self, reader) -> None:
+        self._reader = reader
+
+    def receive(self) -> tuple[int, bytes]:
+        try:
+            return read(self._reader, None)
+        except OSError as exc:
+            raise framing.LinkClosed(f"receive failed: {exc}") from exc
+
+    def readable(self) -> bool:
+        return self._reader.readable()
+
+
+def link_reader(link: framing.FrameSocket) -> LinkReader | None:
+    """``link``'s reading end in C where it is plain and the native path is built; else None
+    (the link reads itself). From then on only the reader reads the link."""
+    reader = return_reader(link)
+    return None if reader is None else LinkReader(reader)
+
+
 def read(reader, wait) -> tuple[int, bytes]:
     """The next message on a return link that ``wait`` (the lone generation's ReturnWait, or None)
     did not take; raises as ``FrameSocket.receive`` does."""

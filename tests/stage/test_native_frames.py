@@ -25,7 +25,7 @@ from support.chain import Chain, split_configs
 from support.pipeline import assert_no_active_sessions, grpc_generate, metric, reference_texts, scrape, status
 
 from skippy_stage.cli.local import free_ports
-from skippy_stage.errors import DownstreamError
+from skippy_stage.errors import DownstreamError, InvalidRequestError
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.security import Credentials
@@ -632,6 +632,46 @@ def test_the_heads_return_reader_hands_the_awaited_token_over_and_gives_back_eve
     peer.close()
     try:
         assert native_frames._frames.FrameReader(end.fileno(), 1 << 16, b"").next(None) is None
+    finally:
+        end.close()
+
+
+def test_a_link_read_in_c_answers_receive_and_readable_as_the_python_reader_does():
+    """A stage below the head reads its upstream's plain link in C (``native_frames.link_reader``),
+    with ``FrameSocket``'s contract: whole messages in order, ``readable`` only for a whole message
+    already buffered, what the Python reader had buffered taken over, the same refusal of a length
+    it cannot read past, and the end as LinkClosed."""
+    def message(i: int, size: int = 40) -> bytes:
+        return framing.encode(framing.Kind.HOP_REQUEST, pb.HopRequest(hop_id=i, request=pb.IterationBatchRequest(
+            request_id="r" * size)))
+
+    def readers():
+        for native in (False, True):
+            ours, theirs = socket.socketpair()
+            link = framing.FrameSocket(theirs, max_message_bytes=1 << 16)
+            ours.sendall(message(0) + message(1) + message(2, 5000)[:100])
+            assert link.receive()[1] == message(0)[5:]  # the Python reader buffers what came with it
+            yield ours, native_frames.link_reader(link) if native else link
+            ours.close()
+            theirs.close()
+
+    seen = []
+    for ours, reads in readers():
+        steps = [reads.readable(), reads.receive(), reads.readable()]
+        ours.sendall(message(2, 5000)[100:])
+        steps += [reads.receive(), reads.readable()]
+        ours.sendall(framing._HEADER.pack(1 << 20, framing.Kind.HOP_REQUEST))
+        with pytest.raises(InvalidRequestError, match="exceeds max_message_bytes=65536"):
+            reads.receive()
+        seen.append(steps)
+    python, native = seen
+    assert native == python == [True, (framing.Kind.HOP_REQUEST, message(1)[5:]), False,
+                                (framing.Kind.HOP_REQUEST, message(2, 5000)[5:]), False]
+    peer, end = socket.socketpair()
+    peer.close()
+    try:
+        with pytest.raises(framing.LinkClosed):
+            native_frames.link_reader(framing.FrameSocket(end, max_message_bytes=1 << 16)).receive()
     finally:
         end.close()
 

@@ -1412,9 +1412,21 @@ static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
     }
 }
 
+/* readable() -> whether a whole message is buffered already (or a length ``next`` refuses), so
+ * ``next`` would not wait for the peer: what FrameSocket.readable answers for the Python reader. */
+static PyObject *FrameReader_readable(FrameReader *self, PyObject *Py_UNUSED(ignored)) {
+    size_t have = self->end - self->start;
+    if (have < 5) Py_RETURN_FALSE;
+    const uint8_t *h = self->buf + self->start;
+    size_t length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | (size_t)h[3];
+    return PyBool_FromLong(length == 0 || length - 1 > self->max_message || have >= 4 + length);
+}
+
 static PyMethodDef FrameReader_methods[] = {
     {"next", (PyCFunction)FrameReader_next, METH_O,
      "next(wait) -> (kind, body), (-1, why) for a length it cannot read past, or None once closed"},
+    {"readable", (PyCFunction)FrameReader_readable, METH_NOARGS,
+     "readable() -> whether a whole message is buffered (next would not wait for the peer)"},
     {NULL, NULL, 0, NULL},
 };
 
