@@ -146,15 +146,17 @@ class FrameListener:
                 pass  # the upstream is gone; it fails its own steps
         stage.inbound.add(sink)
         native = stage.native
-        # Where the frame path is compiled, a plain link is read in C too.
+        # Where the frame path is compiled, a plain link is read in C too, and its plain frames run
+        # there as they come (``NativeFrames.serve``): this loop sees only what they hand back.
         reads = (native_frames.link_reader(link) if native is not None else None) or link
+        served = reads is not link
         try:
             while True:
                 frames = []
                 # Whatever has arrived by the time this thread is free runs as one decode.
                 while not frames or (len(frames) < MAX_COALESCED and reads.readable()):
                     try:
-                        kind, body = reads.receive()
+                        kind, body = native.serve(reads, sink) if served and not frames else reads.receive()
                         tracing.mark("recv")
                     except InvalidRequestError as exc:
                         # Too large to read: the link is out of step. Say why, then close it.
@@ -163,8 +165,8 @@ class FrameListener:
                             stage.accept_frames(frames, sink)
                         raise
                     # A frame alone on the link may take the compiled path (frames that came
-                    # together are coalesced in Python instead).
-                    if (native is not None and not frames and kind == framing.Kind.HOP_REQUEST
+                    # together are coalesced in Python instead; a served link's took it already).
+                    if (native is not None and not served and not frames and kind == framing.Kind.HOP_REQUEST
                             and not reads.readable() and native.run(body, sink)):
                         tracing.mark("done")
                         continue

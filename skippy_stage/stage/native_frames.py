@@ -107,45 +107,85 @@ class NativeFrames:
     def run(self, body: bytes, sink) -> bool:
         """Run the HopRequest ``body`` from the edge whose back channel is ``sink``; False (nothing
         done) when the Python path must take it."""
+        held = self.begin()
+        if held is None:
+            return False
+        done = None
+        try:
+            done = self._path.run(body, held[0], held[1], sink)
+        finally:
+            self.end(held, done, body, sink)
+        return done is not None
+
+    def serve(self, reader: LinkReader, sink) -> tuple[int, bytes]:
+        """Read ``reader``'s link and run its plain frames in C (``FramePath.serve``) until a message
+        the Python path must take: returned as ``LinkReader.receive`` returns it."""
+        try:
+            got = self._path.serve(reader._reader, self.begin, self.end, sink)
+        except OSError as exc:
+            raise framing.LinkClosed(f"receive failed: {exc}") from exc
+        return _message(got)
+
+    def begin(self) -> tuple | None:
+        """A plain frame's way through this stage: the gate passed, then (socket, send lock,
+        target, link) of where its output goes; None, holding nothing, when the Python path must
+        take the frame (the stage is not taking frames, or its output has no plain link)."""
         stage = self.stage
         if not stage.accepting_frames:
-            return False
-        with stage.gate.passing():
-            # Read inside the gate: a hand-off switches the downstream while the gate is closed.
-            found = self._target()
-            if found is None:
-                return False
-            target, link = found
-            done = _run(self._path, body, link, sink)
-            if done is None:
-                return False
-            status, rc, compute_s, latency_s, entries, payload_bytes, message, _, key = done
-            tally = Tally()
-            if latency_s >= 0:
-                tally.latencies.append(latency_s)
-            tally.received.append(("f32", payload_bytes))
-            tally.computes.append((compute_s, entries, entries, []))
-            tally.native += 1
-            if status == _DECODE_FAILED:
-                stage.refuse_frame(self._frame(body), decode_error(rc, entries), sink)
-            elif status == _UNSENT and self.final:
-                target.broke(link, "send failed")
-                returned = pb.ReturnedBatch.FromString(message)
-                sink(Reply(hop_id=self._frame(body).hop_id, return_key=returned.return_key,
-                           outputs=codec.outputs_from_pb(returned.response)))
-                tally.returns.append("relayed")
-                tally.frames_ok += 1
-            elif status == _UNSENT:
-                stage.routes.take(key)
-                stage.refuse_frame(self._frame(body), target.broke(link, "send failed"), sink)
+            return None
+        passing = stage.gate.passing()
+        passing.__enter__()
+        # Read inside the gate: a hand-off switches the downstream while the gate is closed.
+        found = self._target()
+        if found is None:
+            passing.__exit__(None, None, None)
+            return None
+        target, link = found
+        return link.sock, link.send_lock, target, link
+
+    def end(self, held: tuple, done: tuple | None, body: bytes | None, sink) -> None:
+        """After ``begin``: the frame's outcome (``FramePath.run``'s result; None: nothing done) seen
+        to, the gate left, then its metrics. ``body``: the frame, where the outcome is not plain
+        success."""
+        stage = self.stage
+        tally = Tally()
+        try:
+            if done is not None:
+                self._outcome(held, done, body, sink, tally)
+        finally:
+            stage.gate.passing().__exit__(None, None, None)
+        if done is not None:
+            stage.metrics.record(tally)
+
+    def _outcome(self, held: tuple, done: tuple, body: bytes | None, sink, tally: Tally) -> None:
+        _, _, target, link = held
+        stage = self.stage
+        status, rc, compute_s, latency_s, entries, payload_bytes, message, marks, key = done
+        for name, t_ns in zip(_MARKS, marks):
+            tracing.mark_at(name, t_ns)
+        if latency_s >= 0:
+            tally.latencies.append(latency_s)
+        tally.received.append(("f32", payload_bytes))
+        tally.computes.append((compute_s, entries, entries, []))
+        tally.native += 1
+        if status == _DECODE_FAILED:
+            stage.refuse_frame(self._frame(body), decode_error(rc, entries), sink)
+        elif status == _UNSENT and self.final:
+            target.broke(link, "send failed")
+            returned = pb.ReturnedBatch.FromString(message)
+            sink(Reply(hop_id=self._frame(body).hop_id, return_key=returned.return_key,
+                       outputs=codec.outputs_from_pb(returned.response)))
+            tally.returns.append("relayed")
+            tally.frames_ok += 1
+        elif status == _UNSENT:
+            stage.routes.take(key)
+            stage.refuse_frame(self._frame(body), target.broke(link, "send failed"), sink)
+        else:
+            if self.final:
+                tally.returns.append("sent")
             else:
-                if self.final:
-                    tally.returns.append("sent")
-                else:
-                    tally.sent.append(("f32", payload_bytes))
-                tally.frames_ok += 1
-        stage.metrics.record(tally)
-        return True
+                tally.sent.append(("f32", payload_bytes))
+            tally.frames_ok += 1
 
     @staticmethod
     def _frame(body: bytes):
@@ -262,7 +302,11 @@ def link_reader(link: framing.FrameSocket) -> LinkReader | None:
 def read(reader, wait) -> tuple[int, bytes]:
     """The next message on a return link that ``wait`` (the lone generation's ReturnWait, or None)
     did not take; raises as ``FrameSocket.receive`` does."""
-    got = reader.next(wait)
+    return _message(reader.next(wait))
+
+
+def _message(got) -> tuple[int, bytes]:
+    """A C reader's answer as ``FrameSocket.receive`` gives it (or raises)."""
     if got is None:
         raise framing.LinkClosed("closed by the peer")
     kind, body = got

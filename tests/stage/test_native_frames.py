@@ -636,6 +636,84 @@ def test_the_heads_return_reader_hands_the_awaited_token_over_and_gives_back_eve
         end.close()
 
 
+def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else(chain, native, link):
+    """``FramePath.serve`` reads a frame link and runs each plain frame alone on it as ``run`` would
+    (``begin`` giving the output's socket, ``end`` told each outcome), until a message the Python
+    path must take: another kind, a frame with another behind it (coalesced in Python), a frame the
+    stage cannot take now (``begin`` None), or one it cannot prove plain — each handed back as sent,
+    nothing of it done."""
+    head, tail = chain.stages
+    pos, token = prefill(chain, "sv-py")
+    assert prefill(chain, "sv") == (pos, token)
+    upstream, ours = socket.socketpair()
+    reader = native_frames._frames.FrameReader(ours.fileno(), 1 << 20, b"")
+    taking = [True]
+    ended: list = []
+    handed: list = []
+
+    def begin():
+        return (link.ours, link.lock, "held") if taking[0] else None
+
+    def end(held, done, frame, sink):
+        assert held[2] == "held" and sink == "sink"
+        ended.append((done[0] if done is not None else None, frame))
+
+    def serve() -> None:  # as the listener does: what came with a handed-back message is read with it
+        while (got := native.serve(reader, begin, end, "sink")) is not None:
+            handed.append(got)
+            while reader.readable():
+                handed.append(reader.next(None))
+
+    def frame_for(session: str, at: int, fed: int, key: str) -> bytes:
+        return body(session, at, fed, head_rows(head, "h-sv-py", [at], [fed]), return_key=key)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        for step in range(2):
+            expected = tail.run_batch([BatchEntry("sv-py", np.asarray([pos]), token_ids=np.asarray([token]),
+                                                  hidden=head_rows(head, "h-sv", [pos], [token]), sample=True,
+                                                  sampling=SamplingParams())])[0].token
+            upstream.sendall(framing.encode(framing.Kind.HOP_REQUEST, pb.HopRequest.FromString(
+                frame_for("sv", pos, token, f"s{step}"))))
+            returned = link.read()
+            [out] = returned.response.outputs
+            assert (returned.return_key, out.session_id, out.token) == (f"s{step}", "sv", expected)
+            token, pos = expected, pos + 1
+        assert ended == [(0, None), (0, None)]
+        hello = framing.encode(framing.Kind.HELLO, pb.FrameHello(stage_id="x"))
+        row = head_rows(head, "h-sv-py", [pos], [token])
+        two, unknown, alone = (body(session, pos, token, row, return_key=key)
+                               for session, key in (("sv", "t0"), ("nobody", "t1"), ("sv", "t2")))
+        wire = [framing.encode(framing.Kind.HOP_REQUEST, pb.HopRequest.FromString(b)) for b in (two, unknown, alone)]
+        upstream.sendall(hello)
+        upstream.sendall(wire[0] + wire[0])  # a frame with another behind it
+        deadline = time.monotonic() + 5
+        while len(handed) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handed == [(framing.Kind.HELLO, hello[5:]), (framing.Kind.HOP_REQUEST, two),
+                          (framing.Kind.HOP_REQUEST, two)]
+        upstream.sendall(wire[1])  # a session this stage does not hold: declined inside the run
+        while len(handed) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        taking[0] = False
+        upstream.sendall(wire[2])  # begin() says the Python path takes it
+        while len(handed) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handed[3:] == [(framing.Kind.HOP_REQUEST, unknown), (framing.Kind.HOP_REQUEST, alone)]
+        assert ended == [(0, None), (0, None), (None, None)]
+        assert not link.pending()
+        assert state(tail, "sv") == state(tail, "sv-py")
+    finally:
+        upstream.close()
+        server.join(5)
+        ours.close()
+        for session in ("sv-py", "sv"):
+            tail.drop_session(session)
+        for session in ("h-sv-py", "h-sv"):
+            head.drop_session(session)
+
+
 def test_a_link_read_in_c_answers_receive_and_readable_as_the_python_reader_does():
     """A stage below the head reads its upstream's plain link in C (``native_frames.link_reader``),
     with ``FrameSocket``'s contract: whole messages in order, ``readable`` only for a whole message

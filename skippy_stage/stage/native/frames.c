@@ -1316,51 +1316,31 @@ static void FrameReader_dealloc(FrameReader *self) {
 
 enum { R_MESSAGE, R_CLOSED, R_ERROR, R_ZERO, R_TOO_LARGE, R_NOMEM };
 
-/* next(wait) -> (kind, body); (-1, reason) for a length the link cannot be read past (zero, or over
- * max_message_bytes: the listener refuses it as FrameSocket does); None when the peer closed it.
- * Raises OSError when the read fails. ``wait`` (a ReturnWait, or None) takes its tokens here. */
-static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
-    ReturnWait *wait = NULL;
-    if (arg != Py_None) {
-        if (!PyObject_TypeCheck(arg, &ReturnWaitType)) {
-            PyErr_SetString(PyExc_TypeError, "FrameReader.next: a ReturnWait or None");
-            return NULL;
-        }
-        wait = (ReturnWait *)arg;
-    }
-    int outcome = R_MESSAGE, err = 0;
-    size_t length = 0;
-    Py_BEGIN_ALLOW_THREADS
+/* Until a whole message is buffered (R_MESSAGE, its length field in ``*length``) or the link cannot
+ * be read on (the other outcomes; ``*err`` the errno of a failed read). ``wait`` (a ReturnWait, or
+ * NULL) takes its tokens on the way. Called without the GIL. */
+static int reader_fill(FrameReader *self, ReturnWait *wait, size_t *length, int *err) {
     for (;;) {
         size_t have = self->end - self->start;
         if (have >= 5) {
             const uint8_t *h = self->buf + self->start;
-            length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | (size_t)h[3];
-            if (length == 0) {
-                outcome = R_ZERO;
-                break;
-            }
-            if (length - 1 > self->max_message) {
-                outcome = R_TOO_LARGE;
-                break;
-            }
-            if (have >= 4 + length) {
-                if (wait != NULL && h[4] == KIND_RETURNED && wait_take(wait, h + 5, length - 1)) {
-                    self->start += 4 + length;
+            *length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | (size_t)h[3];
+            if (*length == 0) return R_ZERO;
+            if (*length - 1 > self->max_message) return R_TOO_LARGE;
+            if (have >= 4 + *length) {
+                if (wait != NULL && h[4] == KIND_RETURNED && wait_take(wait, h + 5, *length - 1)) {
+                    self->start += 4 + *length;
                     continue;
                 }
-                break; /* the listener's */
+                return R_MESSAGE; /* the listener's */
             }
-            if (4 + length > self->cap) { /* a message larger than the buffer: grow it */
-                uint8_t *grown = PyMem_RawMalloc(4 + length);
-                if (grown == NULL) {
-                    outcome = R_NOMEM;
-                    break;
-                }
+            if (4 + *length > self->cap) { /* a message larger than the buffer: grow it */
+                uint8_t *grown = PyMem_RawMalloc(4 + *length);
+                if (grown == NULL) return R_NOMEM;
                 memcpy(grown, self->buf + self->start, have);
                 PyMem_RawFree(self->buf);
                 self->buf = grown;
-                self->cap = 4 + length;
+                self->cap = 4 + *length;
                 self->start = 0;
                 self->end = have;
             }
@@ -1375,17 +1355,16 @@ static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
         ssize_t k = recv(self->fd, self->buf + self->end, self->cap - self->end, 0);
         if (k < 0 && errno == EINTR) continue;
         if (k < 0) {
-            err = errno;
-            outcome = R_ERROR;
-            break;
+            *err = errno;
+            return R_ERROR;
         }
-        if (k == 0) {
-            outcome = R_CLOSED;
-            break;
-        }
+        if (k == 0) return R_CLOSED;
         self->end += (size_t)k;
     }
-    Py_END_ALLOW_THREADS
+}
+
+/* What ``next`` returns for ``reader_fill``'s outcome; a whole message is taken off the buffer. */
+static PyObject *reader_result(FrameReader *self, int outcome, size_t length, int err) {
     switch (outcome) {
     case R_CLOSED:
         Py_RETURN_NONE;
@@ -1412,19 +1391,46 @@ static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
     }
 }
 
+/* Whether a whole message (or a length ``next`` refuses) is buffered beyond the first ``skip`` bytes. */
+static int reader_whole_after(FrameReader *self, size_t skip) {
+    size_t have = self->end - self->start - skip;
+    if (have < 5) return 0;
+    const uint8_t *h = self->buf + self->start + skip;
+    size_t length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | (size_t)h[3];
+    return length == 0 || length - 1 > self->max_message || have >= 4 + length;
+}
+
+/* next(wait) -> (kind, body); (-1, reason) for a length the link cannot be read past (zero, or over
+ * max_message_bytes: the listener refuses it as FrameSocket does); None when the peer closed it.
+ * Raises OSError when the read fails. ``wait`` (a ReturnWait, or None) takes its tokens here. */
+static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
+    ReturnWait *wait = NULL;
+    if (arg != Py_None) {
+        if (!PyObject_TypeCheck(arg, &ReturnWaitType)) {
+            PyErr_SetString(PyExc_TypeError, "FrameReader.next: a ReturnWait or None");
+            return NULL;
+        }
+        wait = (ReturnWait *)arg;
+    }
+    int outcome, err = 0;
+    size_t length = 0;
+    Py_BEGIN_ALLOW_THREADS
+    outcome = reader_fill(self, wait, &length, &err);
+    Py_END_ALLOW_THREADS
+    return reader_result(self, outcome, length, err);
+}
+
 /* readable() -> whether a whole message is buffered already (or a length ``next`` refuses), so
  * ``next`` would not wait for the peer: what FrameSocket.readable answers for the Python reader. */
 static PyObject *FrameReader_readable(FrameReader *self, PyObject *Py_UNUSED(ignored)) {
-    size_t have = self->end - self->start;
-    if (have < 5) Py_RETURN_FALSE;
-    const uint8_t *h = self->buf + self->start;
-    size_t length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | (size_t)h[3];
-    return PyBool_FromLong(length == 0 || length - 1 > self->max_message || have >= 4 + length);
+    return PyBool_FromLong(reader_whole_after(self, 0));
 }
 
 static PyMethodDef FrameReader_methods[] = {
     {"next", (PyCFunction)FrameReader_next, METH_O,
      "next(wait) -> (kind, body), (-1, why) for a length it cannot read past, or None once closed"},
+    {"readable", (PyCFunction)FrameReader_readable, METH_NOARGS,
+     "readable() -> whether a whole message is buffered (next would not wait for the peer)"},
     {"readable", (PyCFunction)FrameReader_readable, METH_NOARGS,
      "readable() -> whether a whole message is buffered (next would not wait for the peer)"},
     {NULL, NULL, 0, NULL},
@@ -1678,6 +1684,98 @@ out:
     return result;
 }
 
+/* End a plain frame's way through (``end(held, done, body, sink)``) with any Python error kept. */
+static int serve_end(PyObject *end, PyObject *held, PyObject *done, PyObject *body, PyObject *sink) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallFunctionObjArgs(end, held, done, body, sink, NULL);
+    Py_XDECREF(r);
+    if (r == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    PyErr_Restore(type, value, tb);
+    return 0;
+}
+
+/* serve(reader, begin, end, sink) -> what ``reader.next(None)`` returns, for the first message this
+ * path hands back: a stage's frame link, read and run here while its frames are plain. Each frame
+ * alone on the link (no other whole message behind it) that parses as plain asks ``begin()`` for
+ * its way through: None (nothing held: the stage is not taking frames, or its output has no plain
+ * link) hands it back; else ``held``, whose first two items are the socket and send lock its
+ * output leaves on. The frame then runs as ``run`` runs it, and ``end(held, done, body, sink)``
+ * follows whatever happened: ``done`` as ``run`` returns it (None: declined inside, nothing done,
+ * and the frame is handed back; also None, with the error raised after, when the run raised),
+ * ``body`` the frame's bytes where the outcome is not plain success (else None). A message of any
+ * other kind, one with more behind it (the listener coalesces those), and a frame that does not
+ * parse as plain are handed back untouched. Between frames the GIL is released; the listener's
+ * Python runs only for what is handed back and for ``begin`` and ``end``. */
+static PyObject *FramePath_serve(FramePath *self, PyObject *args) {
+    FrameReader *reader;
+    PyObject *begin, *end, *sink;
+    if (!PyArg_ParseTuple(args, "O!OOO", &FrameReaderType, &reader, &begin, &end, &sink)) return NULL;
+    if (self->head) {
+        PyErr_SetString(PyExc_ValueError, "FramePath.serve: a stage below the head's path only");
+        return NULL;
+    }
+    frame_t *fr = PyMem_Malloc(sizeof(frame_t));
+    if (fr == NULL) return PyErr_NoMemory();
+    PyObject *result = NULL;
+    for (;;) {
+        int outcome, err = 0;
+        size_t length = 0;
+        Py_BEGIN_ALLOW_THREADS
+        outcome = reader_fill(reader, NULL, &length, &err);
+        Py_END_ALLOW_THREADS
+        if (outcome != R_MESSAGE) {
+            result = reader_result(reader, outcome, length, err);
+            break;
+        }
+        const uint8_t *h = reader->buf + reader->start;
+        fr->n = 0;
+        if (h[4] != KIND_HOP_REQUEST || reader_whole_after(reader, 4 + length)
+            || !parse_frame(self, h + 5, length - 1, fr)) {
+            result = reader_result(reader, outcome, length, err);
+            break;
+        }
+        PyObject *held = PyObject_CallNoArgs(begin);
+        if (held == NULL) break;
+        if (held == Py_None) {
+            Py_DECREF(held);
+            result = reader_result(reader, outcome, length, err);
+            break;
+        }
+        if (!PyTuple_Check(held) || PyTuple_GET_SIZE(held) < 2) {
+            PyErr_SetString(PyExc_TypeError, "FramePath.serve: begin() must give None or (sock, send_lock, ...)");
+            serve_end(end, held, Py_None, Py_None, sink);
+            Py_DECREF(held);
+            break;
+        }
+        PyObject *done = run_frame(self, fr, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1), sink);
+        if (done == Py_None) { /* declined inside: the Python path runs it */
+            int ended = serve_end(end, held, Py_None, Py_None, sink);
+            Py_DECREF(held);
+            Py_DECREF(done);
+            if (ended == 0) result = reader_result(reader, outcome, length, err);
+            break;
+        }
+        PyObject *body = NULL;
+        if (done != NULL && PyLong_AsLong(PyTuple_GET_ITEM(done, 0)) != 0)
+            body = PyBytes_FromStringAndSize((const char *)h + 5, (Py_ssize_t)(length - 1));
+        reader->start += 4 + length; /* run (or failed in the run): the frame is this path's */
+        int ended = serve_end(end, held, done == NULL ? Py_None : done, body == NULL ? Py_None : body, sink);
+        Py_DECREF(held);
+        Py_XDECREF(body);
+        if (done == NULL) break;
+        Py_DECREF(done);
+        if (ended < 0) break;
+    }
+    PyMem_Free(fr);
+    return result;
+}
+
 static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"ctx", "mem", "decode", "logits_ith", "seq_rm", "batch", "pos", "seq", "out", "embd",
                             "capture", "token", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end",
@@ -1746,6 +1844,9 @@ static void FramePath_dealloc(FramePath *self) {
 static PyMethodDef FramePath_methods[] = {
     {"run", (PyCFunction)FramePath_run, METH_VARARGS,
      "run(body, sock, send_lock, sink): the frame decoded and its output sent, or None (declined)"},
+    {"serve", (PyCFunction)FramePath_serve, METH_VARARGS,
+     "serve(reader, begin, end, sink): a frame link's plain frames run until a message is handed back "
+     "(as reader.next(None) gives it)"},
     {"lone", (PyCFunction)FramePath_lone, METH_VARARGS,
      "lone(wait, template, request_id, key_prefix, position, token, draws, limit, eog, timeout_s, sock, send_lock, "
      "gate_pass, stage, downstream, link, on_token, bell) -> (how, value, steps, computes, hops, final_stage_id)"},
