@@ -18,6 +18,10 @@ from ``whole`` is therefore the split itself (three decodes instead of one: ``ch
 processes taking turns on the cores; what separates ``bench``'s 3-stage pipeline from ``pipe3``
 is everything the data plane adds.
 
+Where it may (root), the run holds idle CPUs to polling as ``bench``'s stages do
+(``cpu_wake_latency_us: 0``; ``SKIPPY_BENCH_WAKE_LATENCY_US=host`` leaves the host's policy), so
+the floor is taken under the wake policy the pipelines it bounds are measured under.
+
 Only ratios within one run mean anything: the host is shared and noisy.
 """
 
@@ -117,9 +121,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=100, help="tokens per round (positions grow across rounds)")
     args = parser.parse_args()
+    from skippy_stage.cli.bench import wake_latency_setting
     from skippy_stage.config import shared_host_openmp
+    from skippy_stage.server.wake_latency import WakeLatencyRequest
 
     os.environ.update(shared_host_openmp(dict(os.environ)))  # as co-located stages get it (children inherit it)
+    held = wake_latency_setting()
+    request = None if held is None else WakeLatencyRequest(held, stage_id="split_floor")
     with tempfile.TemporaryDirectory(prefix="skippy-floor-") as cache_dir:
         contenders = {name: Contender(name, cache_dir) for name in SPLITS}
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
@@ -130,6 +138,8 @@ def main() -> None:
         finally:
             for contender in contenders.values():
                 contender.close()
+            if request is not None:
+                request.close()
     # Every contender runs the same model greedily: the split is exact (the equivalence tests), so
     # the tokens must agree, or the figures compare different work.
     reference = contenders["whole"].tokens
@@ -137,7 +147,8 @@ def main() -> None:
         if contender.tokens != reference:
             at = next(i for i, (a, b) in enumerate(zip(contender.tokens, reference)) if a != b)
             raise SystemExit(f"{name} decoded token {contender.tokens[at]} at step {at}, whole {reference[at]}")
-    print(f"{len(reference)} greedy tokens, the same from every contender")
+    print(f"{len(reference)} greedy tokens, the same from every contender; idle CPUs "
+          + ("held to polling (cpu_wake_latency_us 0)" if request is not None else "under the host's idle policy"))
     whole = statistics.median(w for w, _ in runs["whole"])
     print(f"{'':8} {'ms/token':>9} {'vs whole':>9} {'decode ms':>10}   rounds (ms/token)")
     for name, values in runs.items():
