@@ -667,6 +667,12 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
     def frame_for(session: str, at: int, fed: int, key: str) -> bytes:
         return body(session, at, fed, head_rows(head, "h-sv-py", [at], [fed]), return_key=key)
 
+    def settle(reached, within: float = 5.0) -> None:
+        """The serving thread reports after it sends; wait for it rather than race it."""
+        deadline = time.monotonic() + within
+        while not reached() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     try:
@@ -680,6 +686,7 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
             [out] = returned.response.outputs
             assert (returned.return_key, out.session_id, out.token) == (f"s{step}", "sv", expected)
             token, pos = expected, pos + 1
+        settle(lambda: len(ended) >= 2)  # ``end`` follows the send the reply was read from
         assert ended == [(0, None), (0, None)]
         hello = framing.encode(framing.Kind.HELLO, pb.FrameHello(stage_id="x"))
         row = head_rows(head, "h-sv-py", [pos], [token])
@@ -688,18 +695,14 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
         wire = [framing.encode(framing.Kind.HOP_REQUEST, pb.HopRequest.FromString(b)) for b in (two, unknown, alone)]
         upstream.sendall(hello)
         upstream.sendall(wire[0] + wire[0])  # a frame with another behind it
-        deadline = time.monotonic() + 5
-        while len(handed) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        settle(lambda: len(handed) >= 3)
         assert handed == [(framing.Kind.HELLO, hello[5:]), (framing.Kind.HOP_REQUEST, two),
                           (framing.Kind.HOP_REQUEST, two)]
         upstream.sendall(wire[1])  # a session this stage does not hold: declined inside the run
-        while len(handed) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        settle(lambda: len(handed) >= 4)
         taking[0] = False
         upstream.sendall(wire[2])  # begin() says the Python path takes it
-        while len(handed) < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        settle(lambda: len(handed) >= 5)
         assert handed[3:] == [(framing.Kind.HOP_REQUEST, unknown), (framing.Kind.HOP_REQUEST, alone)]
         assert ended == [(0, None), (0, None), (None, None)]
         assert not link.pending()
