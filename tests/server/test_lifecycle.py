@@ -17,6 +17,7 @@ import time
 import grpc
 import pytest
 from support.pipeline import StreamingRun
+from support.waiting import eventually
 
 from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
@@ -80,11 +81,17 @@ def test_sigterm_drains_the_generation_in_flight_refuses_new_ones_and_exits_zero
     run = StreamingRun(head, "Once upon a time, there was a dragon who", 96, timeout=60)
     assert run.streaming.wait(60)
     pipeline.procs[0].send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with grpc.insecure_channel(head) as channel:
-        with pytest.raises(grpc.RpcError) as refused:
-            list(pb_grpc.StageServiceStub(channel).Generate(pb.GenerateRequest(prompt="Hi", max_tokens=4), timeout=10))
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    def a_new_generation() -> grpc.StatusCode:  # OK until the stage's main thread has run the handler
+        with grpc.insecure_channel(head) as channel:
+            try:
+                list(pb_grpc.StageServiceStub(channel).Generate(pb.GenerateRequest(prompt="Hi", max_tokens=4),
+                                                                timeout=10))
+            except grpc.RpcError as refused:
+                return refused.code()
+            return grpc.StatusCode.OK
+
+    assert eventually(a_new_generation, lambda code: code != grpc.StatusCode.OK) == grpc.StatusCode.UNAVAILABLE
     run.join(60)
     assert run.error is None, run.error
     assert run.outcome["done"].completion_tokens == 96

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from support.pipeline import grpc_generate, scrape
 from support.pipeline import metric as value
+from support.waiting import eventually
 
 from skippy_stage.cli.local import free_ports
 
@@ -15,7 +16,8 @@ def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pi
     try:
         text, last = grpc_generate(pipeline.head_endpoint, "The capital of France is", 8)
         assert last.done
-        m = scrape(metrics_ports[0])
+        # The head frees its lane a moment after the last token; a stage books a frame after sending on.
+        m = eventually(lambda: scrape(metrics_ports[0]), lambda m: value(m, "skippy_lanes_active") == 0)
         assert value(m, "skippy_requests_total", rpc="Generate", code="OK") == 1
         assert value(m, "skippy_batch_tokens_count") >= 8
         assert value(m, "skippy_compute_seconds_count") >= 8
@@ -24,7 +26,9 @@ def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pi
         assert value(m, "skippy_kv_cells_total") == 2048
         assert value(m, "skippy_lanes_active") == 0
         assert value(m, "skippy_queue_depth") == 0
-        below = scrape(metrics_ports[1])
+        below = eventually(lambda: scrape(metrics_ports[1]),
+                           lambda b: min(value(b, "skippy_requests_total", rpc="Frame", code="OK"),
+                                         value(b, "skippy_hop_latency_seconds_count")) >= 8)
         assert value(below, "skippy_activation_bytes_total", direction="received", codec="f32") >= 8 * 576 * 4
         # Frames are counted by what arrived, whatever the transport carried them.
         assert value(below, "skippy_requests_total", rpc="Frame", code="OK") >= 8

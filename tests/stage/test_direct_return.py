@@ -9,11 +9,10 @@ session a stage below loses between steps is re-prefilled, not failed.
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from support.pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, reference_texts, scrape, status
+from support.waiting import eventually
 
 from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
@@ -47,11 +46,7 @@ def test_the_final_stage_returns_tokens_straight_to_the_head_and_the_text_is_unc
     assert text == reference
     # A frame's metrics are recorded once it has left (metrics.Tally): the last one may be counted a
     # moment after the client has its token.
-    deadline = time.monotonic() + 10
-    while (final := returns_counted(metrics[2])).get("sent", 0) < last.completion_tokens:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    final = eventually(lambda: returns_counted(metrics[2]), lambda f: f.get("sent", 0) >= last.completion_tokens)
     head = returns_counted(metrics[0])
     steps = head.get("direct", 0) + head.get("relay", 0)
     assert final["sent"] >= last.completion_tokens
@@ -77,7 +72,8 @@ def test_a_head_the_final_stage_cannot_reach_costs_only_the_relay(smollm2, start
                                                 "endpoint": f"127.0.0.1:{dead}"}])
     text, last = grpc_generate(pipeline.head_endpoint, PROMPT, 24)
     assert text == reference
-    head = returns_counted(metrics[0])
+    # the relay is counted after it has settled the step it carried
+    head = eventually(lambda: returns_counted(metrics[0]), lambda h: h.get("relay", 0) >= last.completion_tokens)
     assert head.get("direct", 0) == 0
     assert head["relay"] >= last.completion_tokens
     assert_no_active_sessions(pipeline.configs)

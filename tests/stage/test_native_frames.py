@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from support.chain import Chain, split_configs
 from support.pipeline import assert_no_active_sessions, grpc_generate, metric, reference_texts, scrape, status
+from support.waiting import eventually
 
 from skippy_stage.cli.local import free_ports
 from skippy_stage.errors import DownstreamError, InvalidRequestError
@@ -473,7 +474,8 @@ def test_a_lone_run_feeds_each_returned_token_to_the_next_step_until_its_limit(c
         head_path, Edge(link), wait, lone_entry("lone"), pos, 42, limit=3, on_token=lambda t: fed.append(t) or True)
     assert (how, value, steps, final_id) == (native_frames.LONE_TOKEN, 103, 3, "stage-final")
     assert fed == [None, 101, 102]  # each token once the frame that fed it has left
-    assert len(computes) == len(hops) == 3 and below.taken == [True, True, True]
+    # the lone loop is woken before ``Below`` books what it took: wait for the booking
+    assert len(computes) == len(hops) == 3 and eventually(lambda: below.taken, lambda t: len(t) >= 3) == [True] * 3
     for step, (frame, token) in enumerate(zip(below.frames, [42, 101, 102])):
         expected = head_rows(head, "py", [pos + step], [token])
         assert np.array_equal(np.frombuffer(frame.request.frame.payload, dtype=np.float32).reshape(1, N_EMBD),
@@ -527,7 +529,8 @@ def test_what_settles_the_awaited_step_ends_the_run_with_it(chain3, head_path, l
     answers = iter([lambda r: returned(r.return_key, "lone", 7), lambda r: failure])
     below = Below(link, wait, lambda request: next(answers)(request))
     done = lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42)
-    assert done[:3] == (native_frames.LONE_SETTLED, failure, 2) and below.taken == [True, True]
+    assert done[:3] == (native_frames.LONE_SETTLED, failure, 2)
+    assert eventually(lambda: below.taken, lambda t: len(t) >= 2) == [True, True]
     assert head.lanes.lane_of("lone").n_tokens == pos + 2  # the head's part of each step ran
     # a second run on the same wait starts clean
     below.answer = lambda r: returned(r.return_key, "lone", 5)
@@ -667,12 +670,6 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
     def frame_for(session: str, at: int, fed: int, key: str) -> bytes:
         return body(session, at, fed, head_rows(head, "h-sv-py", [at], [fed]), return_key=key)
 
-    def settle(reached, within: float = 5.0) -> None:
-        """The serving thread reports after it sends; wait for it rather than race it."""
-        deadline = time.monotonic() + within
-        while not reached() and time.monotonic() < deadline:
-            time.sleep(0.01)
-
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     try:
@@ -686,7 +683,7 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
             [out] = returned.response.outputs
             assert (returned.return_key, out.session_id, out.token) == (f"s{step}", "sv", expected)
             token, pos = expected, pos + 1
-        settle(lambda: len(ended) >= 2)  # ``end`` follows the send the reply was read from
+        eventually(lambda: len(ended), lambda n: n >= 2)  # ``end`` follows the send the reply was read from
         assert ended == [(0, None), (0, None)]
         hello = framing.encode(framing.Kind.HELLO, pb.FrameHello(stage_id="x"))
         row = head_rows(head, "h-sv-py", [pos], [token])
@@ -695,14 +692,14 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
         wire = [framing.encode(framing.Kind.HOP_REQUEST, pb.HopRequest.FromString(b)) for b in (two, unknown, alone)]
         upstream.sendall(hello)
         upstream.sendall(wire[0] + wire[0])  # a frame with another behind it
-        settle(lambda: len(handed) >= 3)
+        eventually(lambda: len(handed), lambda k: k >= 3)
         assert handed == [(framing.Kind.HELLO, hello[5:]), (framing.Kind.HOP_REQUEST, two),
                           (framing.Kind.HOP_REQUEST, two)]
         upstream.sendall(wire[1])  # a session this stage does not hold: declined inside the run
-        settle(lambda: len(handed) >= 4)
+        eventually(lambda: len(handed), lambda k: k >= 4)
         taking[0] = False
         upstream.sendall(wire[2])  # begin() says the Python path takes it
-        settle(lambda: len(handed) >= 5)
+        eventually(lambda: len(handed), lambda k: k >= 5)
         assert handed[3:] == [(framing.Kind.HOP_REQUEST, unknown), (framing.Kind.HOP_REQUEST, alone)]
         assert ended == [(0, None), (0, None), (None, None)]
         assert not link.pending()
@@ -771,10 +768,7 @@ def native_count(port: int) -> float:
 
 def settled(port: int, at_least: float) -> float:
     """The native frame count once it reaches ``at_least`` (metrics are recorded after the send)."""
-    deadline = time.monotonic() + 10
-    while (count := native_count(port)) < at_least and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return count
+    return eventually(lambda: native_count(port), lambda count: count >= at_least)
 
 
 def test_a_pipelines_greedy_decode_frames_run_natively_with_the_unsplit_models_text(
