@@ -88,9 +88,24 @@ class Tally:
         self.native = 0  # frames the native path ran
 
 
+class _BeforeScrape:
+    """A collector that gives nothing, registered first: a scrape runs its hooks before the
+    metrics are read (what a stage keeps to record in bulk is recorded, then read)."""
+
+    def __init__(self) -> None:
+        self.hooks: list[Callable[[], None]] = []
+
+    def collect(self) -> list:
+        for hook in self.hooks:
+            hook()
+        return []
+
+
 class StageMetrics:
     def __init__(self, stage_id: str) -> None:
         self.registry = CollectorRegistry()
+        self._before_scrape = _BeforeScrape()
+        self.registry.register(self._before_scrape)
         r, s = self.registry, {"stage_id": stage_id}
         # Children looked up once per label set (``labels`` validates and locks on every call).
         self.requests = lru_cache(Counter("skippy_requests", "RPCs handled, by method and status code",
@@ -189,6 +204,10 @@ class StageMetrics:
         if tally.native:
             self.native_frames.inc(tally.native)
         tally.__init__()
+
+    def before_scrape(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` before each scrape reads the metrics."""
+        self._before_scrape.hooks.append(hook)
 
     def gauge_from(self, name: str, read: Callable[[], float]) -> None:
         """Read a gauge from its owner at scrape time."""

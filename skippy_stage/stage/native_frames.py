@@ -88,6 +88,10 @@ class NativeFrames:
         self._path = _frames.FramePath(**args, hop_timeout_s=stage.timeouts.hop_s,
                                        routes=None if self.final else stage.routes, classify=classify,
                                        stage_id=stage.config.stage_id.encode())
+        # Frames ``serve`` sent on as plain successes, their ``end`` left to ``drain`` (a scrape).
+        self._kept: list[tuple] = []
+        self._draining = threading.Lock()
+        stage.metrics.before_scrape(self.drain)
 
     def _target(self):
         """Where this stage's output goes (a TcpReturn or a TcpHop) and its plain link, or None."""
@@ -121,15 +125,16 @@ class NativeFrames:
         """Read ``reader``'s link and run its plain frames in C (``FramePath.serve``) until a message
         the Python path must take: returned as ``LinkReader.receive`` returns it."""
         try:
-            got = self._path.serve(reader._reader, self.begin, self.end, sink)
+            got = self._path.serve(reader._reader, self.begin, self.end, sink, self._kept)
         except OSError as exc:
             raise framing.LinkClosed(f"receive failed: {exc}") from exc
         return _message(got)
 
     def begin(self) -> tuple | None:
         """A plain frame's way through this stage: the gate passed, then (socket, send lock,
-        target, link) of where its output goes; None, holding nothing, when the Python path must
-        take the frame (the stage is not taking frames, or its output has no plain link)."""
+        target, link) of where its output goes and the gate's pass (``serve`` leaves it itself
+        for a plain success); None, holding nothing, when the Python path must take the frame
+        (the stage is not taking frames, or its output has no plain link)."""
         stage = self.stage
         if not stage.accepting_frames:
             return None
@@ -141,7 +146,7 @@ class NativeFrames:
             passing.__exit__(None, None, None)
             return None
         target, link = found
-        return link.sock, link.send_lock, target, link
+        return link.sock, link.send_lock, target, link, passing
 
     def end(self, held: tuple, done: tuple | None, body: bytes | None, sink) -> None:
         """After ``begin``: the frame's outcome (``FramePath.run``'s result; None: nothing done) seen
@@ -156,9 +161,23 @@ class NativeFrames:
             stage.gate.passing().__exit__(None, None, None)
         if done is not None:
             stage.metrics.record(tally)
+        if self._kept:  # ``serve`` ends frames here once it has kept its most: keep them flowing
+            self.drain()
 
-    def _outcome(self, held: tuple, done: tuple, body: bytes | None, sink, tally: Tally) -> None:
-        _, _, target, link = held
+    def drain(self) -> None:
+        """Record the frames ``serve`` kept (plain successes: their gate pass already left)."""
+        with self._draining:
+            kept = self._kept[:]
+            if not kept:
+                return
+            del self._kept[: len(kept)]  # what ``serve`` added meanwhile stays, for the next drain
+        tally = Tally()
+        for done in kept:
+            self._outcome(None, done, None, None, tally)
+        self.stage.metrics.record(tally)
+
+    def _outcome(self, held: tuple | None, done: tuple, body: bytes | None, sink, tally: Tally) -> None:
+        """``held`` (begin's) and ``sink`` are read only for an outcome that is not plain success."""
         stage = self.stage
         status, rc, compute_s, latency_s, entries, payload_bytes, message, marks, key = done
         for name, t_ns in zip(_MARKS, marks):
@@ -171,6 +190,7 @@ class NativeFrames:
         if status == _DECODE_FAILED:
             stage.refuse_frame(self._frame(body), decode_error(rc, entries), sink)
         elif status == _UNSENT and self.final:
+            target, link = held[2], held[3]
             target.broke(link, "send failed")
             returned = pb.ReturnedBatch.FromString(message)
             sink(Reply(hop_id=self._frame(body).hop_id, return_key=returned.return_key,
@@ -178,6 +198,7 @@ class NativeFrames:
             tally.returns.append("relayed")
             tally.frames_ok += 1
         elif status == _UNSENT:
+            target, link = held[2], held[3]
             stage.routes.take(key)
             stage.refuse_frame(self._frame(body), target.broke(link, "send failed"), sink)
         else:

@@ -32,7 +32,7 @@ from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.security import Credentials
 from skippy_stage.stage import framing, native_frames
 from skippy_stage.stage.codec import sampling_to_pb
-from skippy_stage.stage.gate import EdgeGate
+from skippy_stage.stage.gate import ConditionGate, EdgeGate, Gate
 from skippy_stage.stage.stage import Routes
 from skippy_stage.v1 import stage_pb2 as pb
 
@@ -712,6 +712,62 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
             tail.drop_session(session)
         for session in ("h-sv-py", "h-sv"):
             head.drop_session(session)
+
+
+@pytest.mark.skipif(Gate is ConditionGate, reason="the C gate is built with the frame path")
+def test_a_served_links_plain_successes_are_kept_for_one_bulk_record_and_leave_the_gate_in_c(chain, native, link):
+    """Given a list, ``serve`` keeps a frame sent on as plain success there instead of calling ``end``
+    (its metrics are recorded in bulk, at a scrape), leaving the gate ``begin`` passed (``held``'s
+    fifth item) itself; a full list, or a gate it does not know, and ``end`` is called as before."""
+    head, tail = chain.stages
+    pos, token = prefill(chain, "kp")
+    upstream, ours = socket.socketpair()
+    reader = native_frames._frames.FrameReader(ours.fileno(), 1 << 20, b"")
+    gate = EdgeGate()
+    kept: list = []
+    ended: list = []
+    handed: list = []
+    helds = iter([gate.passing(), gate.passing(), gate.passing(), object()])
+
+    def begin():
+        held = next(helds)
+        if held is gate.passing():
+            held.__enter__()
+        return (link.ours, link.lock, "target", "link", held)
+
+    def end(held, done, frame, sink):
+        if held[4] is gate.passing():
+            held[4].__exit__(None, None, None)
+        ended.append(done[0])
+
+    def serve() -> None:
+        while (got := native.serve(reader, begin, end, "sink", kept)) is not None:
+            handed.append(got)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        for step in range(4):
+            if step == 2:
+                kept.extend([None] * (1024 - len(kept)))  # full: the next frame goes to ``end``
+            rows = head_rows(head, "h-kp", [pos], [token])
+            upstream.sendall(framing.encode(framing.Kind.HOP_REQUEST, pb.HopRequest.FromString(
+                body("kp", pos, token, rows, return_key=f"k{step}"))))
+            [out] = link.read().response.outputs
+            token, pos = out.token, pos + 1
+            if step == 1:
+                assert eventually(lambda: len(kept), lambda n: n >= 2) == 2
+                assert [done[0] for done in kept] == [0, 0] and ended == []
+                assert gate.wait_idle(1), "serve left the gate of each frame it kept"
+        del kept[:]
+        assert eventually(lambda: len(ended), lambda n: n >= 2) == 2  # the full list's frame, the unknown gate's
+        assert ended == [0, 0] and not kept and gate.wait_idle(1)
+    finally:
+        upstream.close()
+        server.join(5)
+        ours.close()
+        tail.drop_session("kp")
+        head.drop_session("h-kp")
 
 
 def test_a_link_read_in_c_answers_receive_and_readable_as_the_python_reader_does():
