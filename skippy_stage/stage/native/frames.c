@@ -951,6 +951,37 @@ static struct timespec monotonic_after(double seconds) {
  * decode is about to need). ``wait`` returns once rung since the last wait (the rings between two
  * waits count as one: the waiter takes whatever was put before them), or False at its timeout. */
 
+/* Bell's and Gate's mutex and condition variable: made by ``__init__`` (no arguments; once, however
+ * often it is called), destroyed with the object. */
+static int sync_init(PyObject *args, PyObject *kw, pthread_mutex_t *mu, pthread_cond_t *cond, int *ready) {
+    static char *names[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "", names)) return -1;
+    if (!*ready) {
+        monotonic_cond_init(cond, mu);
+        *ready = 1;
+    }
+    return 0;
+}
+
+static void sync_dealloc(PyObject *self, pthread_mutex_t *mu, pthread_cond_t *cond, int ready) {
+    if (ready) {
+        pthread_cond_destroy(cond);
+        pthread_mutex_destroy(mu);
+    }
+    Py_TYPE(self)->tp_free(self);
+}
+
+/* A wait's seconds from a Python float or None (None: no limit, -1 here; negative or NaN: 0). */
+static int timeout_arg(PyObject *arg, double *timeout) {
+    *timeout = -1;
+    if (arg == Py_None) return 0;
+    *timeout = PyFloat_AsDouble(arg);
+    if (*timeout == -1 && PyErr_Occurred()) return -1;
+    if (!(*timeout >= 0)) *timeout = 0;
+    if (*timeout > 1e6) *timeout = 1e6;
+    return 0;
+}
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
@@ -960,22 +991,10 @@ typedef struct {
 } Bell;
 
 static int Bell_init(Bell *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "", names)) return -1;
-    if (!self->ready) {
-        monotonic_cond_init(&self->cond, &self->mu);
-        self->ready = 1;
-    }
-    return 0;
+    return sync_init(args, kw, &self->mu, &self->cond, &self->ready);
 }
 
-static void Bell_dealloc(Bell *self) {
-    if (self->ready) {
-        pthread_cond_destroy(&self->cond);
-        pthread_mutex_destroy(&self->mu);
-    }
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+static void Bell_dealloc(Bell *self) { sync_dealloc((PyObject *)self, &self->mu, &self->cond, self->ready); }
 
 /* Callable with or without the GIL. Signalled after unlocking: a waiter woken on this thread's
  * core would otherwise run only to block on the mutex still held here, and be woken again. */
@@ -997,17 +1016,12 @@ static PyObject *Bell_ring(Bell *self, PyObject *Py_UNUSED(ignored)) {
 
 /* wait(timeout_s: float | None) -> bool */
 static PyObject *Bell_wait(Bell *self, PyObject *arg) {
-    double timeout = -1;
+    double timeout;
     if (!self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "Bell: not initialised");
         return NULL;
     }
-    if (arg != Py_None) {
-        timeout = PyFloat_AsDouble(arg);
-        if (timeout == -1 && PyErr_Occurred()) return NULL;
-        if (!(timeout >= 0)) timeout = 0; /* negative or NaN: do not wait */
-        if (timeout > 1e6) timeout = 1e6;
-    }
+    if (timeout_arg(arg, &timeout) < 0) return NULL;
     int got;
     Py_BEGIN_ALLOW_THREADS
     struct timespec until = monotonic_after(timeout >= 0 ? timeout : 0);
@@ -1061,22 +1075,10 @@ typedef struct {
 } Gate;
 
 static int Gate_init(Gate *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "", names)) return -1;
-    if (!self->ready) {
-        monotonic_cond_init(&self->cond, &self->mu);
-        self->ready = 1;
-    }
-    return 0;
+    return sync_init(args, kw, &self->mu, &self->cond, &self->ready);
 }
 
-static void Gate_dealloc(Gate *self) {
-    if (self->ready) {
-        pthread_cond_destroy(&self->cond);
-        pthread_mutex_destroy(&self->mu);
-    }
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+static void Gate_dealloc(Gate *self) { sync_dealloc((PyObject *)self, &self->mu, &self->cond, self->ready); }
 
 /* A frame passes in: at once while the gate is open, else once it opens (the GIL released).
  * Called with the GIL held. */
@@ -1123,17 +1125,6 @@ static PyObject *Gate_exit(Gate *self, PyObject *Py_UNUSED(args)) {
     Py_RETURN_FALSE; /* never swallows the exception of the block it guarded */
 }
 
-/* seconds from a Python float or None (None: no limit, -1 here) */
-static int gate_timeout(PyObject *arg, double *timeout) {
-    *timeout = -1;
-    if (arg == Py_None) return 0;
-    *timeout = PyFloat_AsDouble(arg);
-    if (*timeout == -1 && PyErr_Occurred()) return -1;
-    if (!(*timeout >= 0)) *timeout = 0; /* negative or NaN: do not wait */
-    if (*timeout > 1e6) *timeout = 1e6;
-    return 0;
-}
-
 /* Wait (mutex held) until none is passing or ``until``; returns whether none is. */
 static int gate_wait_none(Gate *g, double timeout, const struct timespec *until) {
     g->waiting++;
@@ -1151,7 +1142,7 @@ static int gate_wait_none(Gate *g, double timeout, const struct timespec *until)
  * wait up to ``timeout_s`` for those passing to leave; whether they all did. ``open`` undoes it. */
 static PyObject *Gate_close(Gate *self, PyObject *arg) {
     double timeout;
-    if (!gate_ready(self) || gate_timeout(arg, &timeout) < 0) return NULL;
+    if (!gate_ready(self) || timeout_arg(arg, &timeout) < 0) return NULL;
     int drained;
     Py_BEGIN_ALLOW_THREADS
     struct timespec until = monotonic_after(timeout >= 0 ? timeout : 0);
@@ -1176,7 +1167,7 @@ static PyObject *Gate_open(Gate *self, PyObject *Py_UNUSED(ignored)) {
 /* wait_idle(timeout_s) -> bool: whether none is passing, waiting up to ``timeout_s`` for it. */
 static PyObject *Gate_wait_idle(Gate *self, PyObject *arg) {
     double timeout;
-    if (!gate_ready(self) || gate_timeout(arg, &timeout) < 0) return NULL;
+    if (!gate_ready(self) || timeout_arg(arg, &timeout) < 0) return NULL;
     int idle;
     Py_BEGIN_ALLOW_THREADS
     struct timespec until = monotonic_after(timeout >= 0 ? timeout : 0);
