@@ -32,7 +32,7 @@ from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.security import Credentials
 from skippy_stage.stage import framing, native_frames
 from skippy_stage.stage.codec import sampling_to_pb
-from skippy_stage.stage.gate import ConditionGate, EdgeGate, Gate
+from skippy_stage.stage.gate import EdgeGate
 from skippy_stage.stage.stage import Routes
 from skippy_stage.v1 import stage_pb2 as pb
 
@@ -714,7 +714,6 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
             head.drop_session(session)
 
 
-@pytest.mark.skipif(Gate is ConditionGate, reason="the C gate is built with the frame path")
 def test_a_served_links_plain_successes_are_kept_for_one_bulk_record_and_leave_the_gate_in_c(chain, native, link):
     """Given a list, ``serve`` keeps a frame sent on as plain success there instead of calling ``end``
     (its metrics are recorded in bulk, at a scrape), leaving the gate ``begin`` passed (``held``'s

@@ -942,15 +942,6 @@ static struct timespec monotonic_after(double seconds) {
     return until;
 }
 
-/* -- a handler's wake-up, rung without the GIL ----------------------------------------------------
- *
- * A Generate handler waits on its task's Bell for the scheduler's events. Rung from Python (``ring``)
- * it is a condition variable; the head's lone generation rings it from C after the loop has released
- * the GIL (``lone``'s ``bell``), so the handler does not wake into a GIL the scheduler's thread
- * still holds (woken, blocked on the GIL, woken again: four switches of a core the next stage's
- * decode is about to need). ``wait`` returns once rung since the last wait (the rings between two
- * waits count as one: the waiter takes whatever was put before them), or False at its timeout. */
-
 /* Bell's and Gate's mutex and condition variable: made by ``__init__`` (no arguments; once, however
  * often it is called), destroyed with the object. */
 static int sync_init(PyObject *args, PyObject *kw, pthread_mutex_t *mu, pthread_cond_t *cond, int *ready) {
@@ -981,6 +972,15 @@ static int timeout_arg(PyObject *arg, double *timeout) {
     if (*timeout > 1e6) *timeout = 1e6;
     return 0;
 }
+
+/* -- a handler's wake-up, rung without the GIL ----------------------------------------------------
+ *
+ * A Generate handler waits on its task's Bell for the scheduler's events. Rung from Python (``ring``)
+ * it is a condition variable; the head's lone generation rings it from C after the loop has released
+ * the GIL (``lone``'s ``bell``), so the handler does not wake into a GIL the scheduler's thread
+ * still holds (woken, blocked on the GIL, woken again: four switches of a core the next stage's
+ * decode is about to need). ``wait`` returns once rung since the last wait (the rings between two
+ * waits count as one: the waiter takes whatever was put before them), or False at its timeout. */
 
 typedef struct {
     PyObject_HEAD
@@ -1606,36 +1606,6 @@ static PyTypeObject FrameReaderType = {
 
 enum { LONE_TOKEN, LONE_SETTLED, LONE_DECLINED, LONE_DECODE_FAILED, LONE_UNSENT, LONE_TIMEOUT };
 
-/* A step passes the stage's gate: ``gate_pass`` is its Gate (or, for tests, any context manager). */
-static int gate_enter(PyObject *gate_pass) {
-    if (PyObject_TypeCheck(gate_pass, &GateType) && ((Gate *)gate_pass)->ready) {
-        gate_in((Gate *)gate_pass);
-        return 0;
-    }
-    PyObject *r = PyObject_CallMethod(gate_pass, "__enter__", NULL);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-static int gate_exit(PyObject *gate_pass) {
-    if (PyObject_TypeCheck(gate_pass, &GateType) && ((Gate *)gate_pass)->ready) {
-        gate_out((Gate *)gate_pass);
-        return 0;
-    }
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *r = PyObject_CallMethod(gate_pass, "__exit__", "OOO", Py_None, Py_None, Py_None);
-    Py_XDECREF(r);
-    if (r == NULL) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        return -1;
-    }
-    PyErr_Restore(type, value, tb);
-    return 0;
-}
-
 /* 1: ``stage.downstream`` is still ``downstream`` and its hop's link ``link``; 0: not; -1: error. */
 static int same_edge(PyObject *stage, PyObject *downstream, PyObject *link) {
     PyObject *d = PyObject_GetAttrString(stage, "downstream");
@@ -1682,6 +1652,11 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
                           &token, &draws, &limit, &eog, &timeout, &sock, &send_lock, &gate_pass, &stage, &downstream,
                           &link, &on_token, &bell_obj))
         return NULL;
+    if (!PyObject_TypeCheck(gate_pass, &GateType) || !((Gate *)gate_pass)->ready) {
+        PyErr_SetString(PyExc_TypeError, "FramePath.lone: gate_pass must be the stage's initialised Gate");
+        return NULL;
+    }
+    Gate *gate = (Gate *)gate_pass;
     Bell *bell = NULL;
     if (bell_obj != Py_None) {
         if (!PyObject_TypeCheck(bell_obj, &BellType) || !((Bell *)bell_obj)->ready) {
@@ -1715,10 +1690,11 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
     int how = -1;
     long steps = 0;
     for (;;) {
-        if (gate_enter(gate_pass) < 0) goto out;
+        gate_in(gate);
         int same = same_edge(stage, downstream, link);
         if (same <= 0) {
-            if (gate_exit(gate_pass) < 0 || same < 0) goto out;
+            gate_out(gate);
+            if (same < 0) goto out;
             how = LONE_DECLINED;
             value = PyLong_FromLong(token);
             break;
@@ -1734,7 +1710,7 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         end = put_varint(end, draws);
         memset(fr, 0, offsetof(frame_t, entries));
         if (!parse_entry(entry, (size_t)(end - entry), &fr->entries[0], 0) || fr->entries[0].n_tok != 1) {
-            if (gate_exit(gate_pass) < 0) goto out;
+            gate_out(gate);
             how = LONE_DECLINED;
             value = PyLong_FromLong(token);
             break;
@@ -1754,7 +1730,8 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         wait_move(wait, W_WAITING); /* before the send: its return may come before run_frame ends */
         PyObject *done = run_frame(self, fr, sock, send_lock, Py_None);
         double sent_at = now_monotonic();
-        if (gate_exit(gate_pass) < 0 || done == NULL) {
+        gate_out(gate);
+        if (done == NULL) {
             Py_XDECREF(done);
             wait_reset(wait);
             goto out;
@@ -1947,7 +1924,7 @@ static PyObject *FramePath_serve(FramePath *self, PyObject *args) {
         reader->start += 4 + length; /* run (or failed in the run): the frame is this path's */
         PyObject *gate = PyTuple_GET_SIZE(held) >= 5 ? PyTuple_GET_ITEM(held, 4) : NULL;
         if (plain && done_list != Py_None && PyList_GET_SIZE(done_list) < SERVE_DONE_MAX && gate != NULL
-            && PyObject_TypeCheck(gate, &GateType) && ((Gate *)gate)->ready) {
+            && PyObject_TypeCheck(gate, &GateType) && ((Gate *)gate)->ready) { /* else ``end`` leaves it */
             gate_out((Gate *)gate);
             int kept = PyList_Append(done_list, done);
             Py_DECREF(held);
