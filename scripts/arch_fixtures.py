@@ -3,6 +3,7 @@
 
     python scripts/arch_fixtures.py            # C++ build, describe, prove (~15 min on 2 cores)
     python scripts/arch_fixtures.py --prove    # only prove again, from the committed description
+    python scripts/arch_fixtures.py --as-saved # describe the test's models as it saves them (no deepening)
 
 1. Fetch the sdist of the pinned llama-cpp-python from PyPI and take its vendored llama.cpp.
 2. Deepen ``tests/test-llama-archs.cpp`` to at least 6 layers (8 for llama4, whose no-rope
@@ -16,6 +17,10 @@
 5. Prove: regenerate each fixture, ``verify`` a 3-way split with a one-layer stage, and
    write the verdicts to ``skippy_stage/model/proofs.py``, the table ``slicing`` accepts
    architectures from. The packaged SmolLM2 (llama) and Gemma-3 join as real models.
+
+``--as-saved`` builds the unmodified test and describes its files, as llama.cpp saves them (2
+layers for most architectures, empty arrays included), into ``tests/fixtures/archs-as-saved.jsonl.gz``:
+the material of the test that every GGUF llama.cpp writes slices, and verifies or is refused by name.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from skippy_stage.model import layer_rules, synthetic  # noqa: E402
 from skippy_stage.model.verify import verify  # noqa: E402
 
 DESCRIPTION = ROOT / "tests" / "fixtures" / "archs.jsonl.gz"
+AS_SAVED = ROOT / "tests" / "fixtures" / "archs-as-saved.jsonl.gz"
 UNBUILT = ROOT / "tests" / "fixtures" / "archs-unbuilt.json"  # architectures the C++ test cannot build
 PROOFS = ROOT / "skippy_stage" / "model" / "proofs.py"
 SEED = 42
@@ -85,7 +91,7 @@ def pick_split(spec: synthetic.ModelSpec) -> list[tuple[int, int]]:
     raise ConfigError(f"no split of the {spec.block_count}-layer fixture is allowed: {reasons[0]}")
 
 
-def fetch_llama_cpp(work: Path, sdist: Path | None) -> Path:
+def fetch_llama_cpp(work: Path, sdist: Path | None, *, deepen: bool = True) -> Path:
     version = importlib.metadata.version("llama-cpp-python")
     if sdist is None:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
@@ -97,6 +103,10 @@ def fetch_llama_cpp(work: Path, sdist: Path | None) -> Path:
             tar.extractall(work, filter="data")
     test = src / "tests" / "test-llama-archs.cpp"
     text = test.read_text()
+    if not deepen:
+        if DEEPEN in text or HYBRID in text:
+            raise SystemExit(f"{test} is deepened: give --as-saved a work directory of its own")
+        return src
     if DEEPEN not in text:
         if DEEPEN_ANCHOR not in text:
             raise SystemExit(f"{test}: the deepening anchor {DEEPEN_ANCHOR!r} is gone; update this script")
@@ -291,13 +301,25 @@ def main() -> int:
     parser.add_argument("--prove", action="store_true", help="skip the C++ build: prove from the committed description")
     parser.add_argument("--only", help="regex of fixture stems to prove (the table keeps the other rows)")
     parser.add_argument("--sdist", type=Path, help="a llama-cpp-python sdist already downloaded")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "skippy-llama-cpp")
+    parser.add_argument("--as-saved", action="store_true",
+                        help="describe the unmodified test's models into tests/fixtures/archs-as-saved.jsonl.gz")
+    parser.add_argument("--work", type=Path, help="where the sdist is unpacked and built (default: in the temp dir)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--prove-one", help=argparse.SUPPRESS)
     parser.add_argument("--prove-real", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.work is None:
+        args.work = Path(tempfile.gettempdir()) / ("skippy-llama-cpp-as-saved" if args.as_saved else "skippy-llama-cpp")
+    if args.as_saved:
+        args.work.mkdir(parents=True, exist_ok=True)
+        src = fetch_llama_cpp(args.work, args.sdist, deepen=False)
+        files, _ = save_fixtures(build(src, args.jobs), src, args.work / "fixtures")
+        synthetic.dump_specs(describe_all(files), AS_SAVED)
+        print(f"described {len(files)} models as saved into {AS_SAVED} ({AS_SAVED.stat().st_size // 1024} KiB); "
+              f"measure them with: python -m pytest -q -rA tests/model/test_architectures.py -k as_saved")
+        return 0
     if args.prove_real:
         print(json.dumps(real_model_row(args.prove_real)))
         return 0

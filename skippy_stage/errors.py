@@ -7,6 +7,7 @@ client may see::
 
     SkippyError
     ├── ConfigError               bad stage config               -> (start-up failure)
+    │   └── ModelFileError        the GGUF is unusable: names the file, the key, the fault
     ├── PlanError                 the nodes cannot hold the model -> (``plan`` fails)
     ├── UnsupportedModelError     architecture not proven        -> FAILED_PRECONDITION
     ├── SliceError                a GGUF could not be sliced     -> (start-up failure)
@@ -33,6 +34,12 @@ class SkippyError(Exception):
 
 class ConfigError(SkippyError):
     """A stage config is malformed; the message names stage_id, field and value."""
+
+
+class ModelFileError(ConfigError):
+    """A GGUF cannot serve as a model: not GGUF, or a key llama.cpp or the slicer needs is missing
+    or malformed. The message names the file, the key and what is wrong, because the person who
+    reads it must fix (or replace) the file, not the config."""
 
 
 class PlanError(SkippyError):

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
 
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFValueType
 
-from skippy_stage.errors import ConfigError, SliceError, UnsupportedModelError
-from skippy_stage.model import layer_rules, proofs
+from skippy_stage.errors import ConfigError, ModelFileError, SliceError, UnsupportedModelError
+from skippy_stage.model import gguf_file, layer_rules, proofs
 
 MANIFEST_SUFFIX = ".manifest.json"
-SLICE_FORMAT_VERSION = 3
+SLICE_FORMAT_VERSION = 4
 
 
 def accepted_architectures() -> dict[str, list[dict[str, object]]]:
@@ -131,28 +131,88 @@ def _read_header_kv(path: Path) -> dict[str, object]:
 
 
 def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
-    """Read the header of a GGUF, refusing files that are missing or not GGUF."""
+    """Read the header of a GGUF, refusing files that are missing, not GGUF, or whose keys the
+    slicer, the planner or llama.cpp would trip on (:class:`ModelFileError` names the key)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"model file not found: {path}")
     try:
         kv = _read_header_kv(path)
     except (ValueError, OSError, struct.error, KeyError) as exc:
-        raise ConfigError(f"model file {path} is not a readable GGUF: {exc}") from exc
-    arch = str(kv.get("general.architecture"))
-    block_count = kv.get(f"{arch}.block_count")
-    n_embd = kv.get(f"{arch}.embedding_length")
-    if block_count is None or n_embd is None:
-        raise ConfigError(f"model file {path} lacks {arch}.block_count or {arch}.embedding_length")
+        raise ModelFileError(f"model file {path} is not a readable GGUF: {exc}") from exc
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFileError(f"model file {path}: key general.architecture is {_shown(arch)}, not an architecture name")
+    block_count = _positive_int(path, kv, f"{arch}.block_count")
+    n_embd = _positive_int(path, kv, f"{arch}.embedding_length")
+    for key in _PER_LAYER_KEYS:
+        _check_per_layer(path, kv, f"{arch}.{key}", block_count)
+    context = kv.get(f"{arch}.context_length")
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int)):
+        raise ModelFileError(f"model file {path}: key {arch}.context_length is {_shown(context)}, not an integer")
     return ModelInfo(
         path=path,
         architecture=arch,
-        block_count=int(block_count),
-        n_embd=int(n_embd),
+        block_count=block_count,
+        n_embd=n_embd,
         n_vocab=_length(kv.get("tokenizer.ggml.tokens", 0)),
         name=str(kv.get("general.name") or path.stem),
         metadata=kv,
     )
+
+
+# Keys read as one number per layer (``ModelInfo.per_layer``, ``layer_rules``, llama.cpp's
+# ``get_key_or_arr``, which refuses an array whose length is not the block count).
+_PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "attention.key_length",
+                   "attention.value_length", "feed_forward_length", "attention.sliding_window",
+                   "attention.sliding_window_pattern", "attention.recurrent_layers")
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "missing"
+    if isinstance(value, tuple):
+        return f"an array of {len(value)} values"
+    return f"{value!r}" if not isinstance(value, int) or isinstance(value, bool) else str(value)
+
+
+def _positive_int(path: Path, kv: dict[str, object], key: str) -> int:
+    value = kv.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelFileError(f"model file {path}: key {key} is {_shown(value)}, not a positive integer")
+    return value
+
+
+def _check_per_layer(path: Path, kv: dict[str, object], key: str, block_count: int) -> None:
+    value = kv.get(key)
+    if value is None:
+        return
+    if isinstance(value, tuple):
+        if len(value) != block_count:
+            raise ModelFileError(f"model file {path}: key {key} holds {len(value)} values for {block_count} "
+                                 f"blocks (one per block, or one for all)")
+        value_ok = all(isinstance(v, (int, float)) for v in value)
+    else:
+        value_ok = isinstance(value, (int, float))
+    if not value_ok:
+        raise ModelFileError(f"model file {path}: key {key} is {_shown(value)}, not a number (or one per block)")
+
+
+def open_reader(path: Path) -> GGUFReader:
+    """gguf-py's reader over ``path``; a file it cannot parse is a :class:`ModelFileError`."""
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, OSError, struct.error, KeyError, IndexError, TypeError, UnicodeDecodeError) as exc:
+        raise ModelFileError(f"model file {path} is not a GGUF gguf-py can read: {type(exc).__name__}: {exc}") from exc
+
+
+def overrides_for(info: ModelInfo, layer_start: int, layer_end: int, final: bool) -> dict[str, tuple[str, object]]:
+    """``layer_rules.slice_overrides`` for the file, a value it cannot use refused naming the file."""
+    try:
+        return layer_rules.slice_overrides(info.metadata, info.architecture, layer_start, layer_end, final)
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ModelFileError(f"model file {info.path}: its {info.architecture} metadata cannot be sliced at "
+                             f"{layer_start}:{layer_end}: {type(exc).__name__}: {exc}") from exc
 
 
 def _length(value: object) -> int:
@@ -232,7 +292,10 @@ def write_slice(
 ) -> None:
     """Write the stage file for ``[layer_start, layer_end)`` of ``source`` to ``dest``.
 
-    Not atomic by itself; :func:`stage_file` wraps it with temp-file, fsync and rename.
+    Every metadata value the slice does not rewrite is copied as the source holds it (type
+    tag and bytes, empty arrays included), and so is every kept tensor: the slice is its
+    source minus the blocks it drops. Not atomic by itself; :func:`stage_file` wraps it with
+    temp-file, fsync and rename.
     """
     source = Path(source)
     info = read_model_info(source)
@@ -240,55 +303,50 @@ def write_slice(
     _check_range(info, layer_start, layer_end)
     arch = info.architecture
     n_total = info.block_count
-    overrides = layer_rules.slice_overrides(info.metadata, arch, layer_start, layer_end, final)
+    overrides = overrides_for(info, layer_start, layer_end, final)
     keep_output = layer_rules.rule_for(arch).needs_output
-    reader = GGUFReader(source, "r")
+    reader = open_reader(source)
+    order = gguf_file.byte_order(reader)
+    fixed_length = _FIXED_LENGTH_ARRAYS.format(arch=arch).split()
 
-    writer = GGUFWriter(dest, arch=arch, endianess=reader.endianess)
-    alignment = _field_value(reader, "general.alignment")
-    if alignment is not None:
-        writer.data_alignment = int(alignment)
+    metadata: list[tuple[str, bytes]] = []
     for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF.") or field.name in overrides:
+        if field.name.startswith("GGUF.") or field.name in overrides:
             continue
         vtype = field.types[0]
-        value = field.contents()
-        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         if field.name == f"{arch}.block_count":
-            value = layer_end - layer_start
-        elif (vtype == GGUFValueType.ARRAY and field.name.startswith(f"{arch}.") and len(value) == n_total
-              and field.name not in _FIXED_LENGTH_ARRAYS.format(arch=arch).split()):
-            value = value[layer_start:layer_end]
-        writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+            raw = gguf_file.pack_value(vtype, layer_end - layer_start, order=order)
+        elif (vtype == GGUFValueType.ARRAY and field.name.startswith(f"{arch}.") and field.name not in fixed_length
+              and gguf_file.array_length(field) == n_total and gguf_file.item_type(field) != GGUFValueType.ARRAY):
+            raw = gguf_file.array_items(field, layer_start, layer_end, order=order)
+        else:
+            raw = gguf_file.raw_value(field)
+        metadata.append((field.name, raw))
     for key, (kind, value) in sorted(overrides.items()):
         if kind == "bools":
-            writer.add_key_value(key, list(value), GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+            raw = gguf_file.pack_value(GGUFValueType.ARRAY, list(value), GGUFValueType.BOOL, order=order)
         else:
-            writer.add_key_value(key, value, GGUFValueType.UINT32 if kind == "uint32" else GGUFValueType.FLOAT32)
-    writer.add_key_value("skippy.slice.version", SLICE_FORMAT_VERSION, GGUFValueType.UINT32)
-    writer.add_key_value("skippy.slice.layer_start", layer_start, GGUFValueType.UINT32)
-    writer.add_key_value("skippy.slice.layer_end", layer_end, GGUFValueType.UINT32)
-    writer.add_key_value("skippy.slice.source_block_count", n_total, GGUFValueType.UINT32)
-    writer.add_key_value("skippy.slice.final", final, GGUFValueType.BOOL)
+            raw = gguf_file.pack_value(GGUFValueType.UINT32 if kind == "uint32" else GGUFValueType.FLOAT32, value,
+                                       order=order)
+        metadata.append((key, raw))
+    for key, value in (("version", SLICE_FORMAT_VERSION), ("layer_start", layer_start), ("layer_end", layer_end),
+                       ("source_block_count", n_total)):
+        metadata.append((f"skippy.slice.{key}", gguf_file.pack_value(GGUFValueType.UINT32, value, order=order)))
+    metadata.append(("skippy.slice.final", gguf_file.pack_value(GGUFValueType.BOOL, final, order=order)))
 
     kept = []
     for tensor in reader.tensors:
         new_name = _is_kept(tensor.name, layer_start, layer_end, final, keep_output)
         if new_name is not None:
-            kept.append(tensor)
-            writer.add_tensor_info(new_name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
-    total = sum(int(t.n_bytes) for t in kept)
+            kept.append(gguf_file.tensor_from_reader(reader, tensor, new_name))
+    alignment = _field_value(reader, "general.alignment")
     show = sys.stderr.isatty() if progress is None else progress
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     from tqdm import tqdm
 
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"slice {layer_start}:{layer_end}", disable=not show) as bar:
-        for tensor in kept:
-            writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-            bar.update(int(tensor.n_bytes))
-    writer.close()
+    with tqdm(total=sum(t.n_bytes for t in kept), unit="B", unit_scale=True, desc=f"slice {layer_start}:{layer_end}",
+              disable=not show) as bar:
+        gguf_file.write_gguf(dest, metadata, kept, order=order, on_tensor=bar.update,
+                             alignment=gguf_file.DEFAULT_ALIGNMENT if alignment is None else int(alignment))
 
 
 def default_cache_dir() -> Path:
@@ -403,7 +461,10 @@ def stage_file(
 
 def slice_metadata(path: str | os.PathLike[str]) -> dict[str, int | bool] | None:
     """The ``skippy.slice.*`` keys of a stage file, or None for an unsliced GGUF."""
-    kv = _read_header_kv(Path(path))
+    try:
+        kv = _read_header_kv(Path(path))
+    except (ValueError, OSError, struct.error, KeyError) as exc:
+        raise ModelFileError(f"model file {path} is not a readable GGUF: {exc}") from exc
     out: dict[str, int | bool] = {}
     for key in ("layer_start", "layer_end", "source_block_count", "final"):
         value = kv.get(f"skippy.slice.{key}")
@@ -418,6 +479,8 @@ __all__ = [
     "ModelInfo",
     "StageFile",
     "check_architecture",
+    "open_reader",
+    "overrides_for",
     "read_model_info",
     "slice_metadata",
     "stage_file",

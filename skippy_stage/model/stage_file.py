@@ -7,8 +7,15 @@ from pathlib import Path
 
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError
-from skippy_stage.model import host, layer_rules, loader
-from skippy_stage.model.slicing import ModelInfo, check_architecture, read_model_info, slice_metadata, stage_file
+from skippy_stage.model import host, loader
+from skippy_stage.model.slicing import (
+    ModelInfo,
+    check_architecture,
+    overrides_for,
+    read_model_info,
+    slice_metadata,
+    stage_file,
+)
 
 
 def check_against_model(cfg: StageConfig) -> ModelInfo:
@@ -33,8 +40,7 @@ def check_against_model(cfg: StageConfig) -> ModelInfo:
     cfg.check_block_count(info.block_count)
     if not (cfg.layer_start == 0 and cfg.layer_end == info.block_count):
         try:
-            layer_rules.slice_overrides(info.metadata, info.architecture, cfg.layer_start, cfg.layer_end,
-                                        bool(cfg.include_output))
+            overrides_for(info, cfg.layer_start, cfg.layer_end, bool(cfg.include_output))
         except ConfigError as exc:
             raise ConfigError(f"stage {cfg.stage_id}: {exc}") from None
     if cfg.include_output is False and cfg.layer_end == info.block_count:
@@ -60,7 +66,8 @@ def resolve_context_size(cfg: StageConfig, info: ModelInfo, layers: range) -> lo
     per_token = loader.kv_bytes_per_token(info, layers, cfg.cache_type_k, cfg.cache_type_v)
     n_ctx_train = int(info.metadata.get(f"{info.architecture}.context_length") or 0)
     try:
-        return loader.auto_context_size(n_ctx_train, per_token, host.memory_available())
+        return loader.auto_context_size(n_ctx_train, per_token, host.memory_available(),
+                                        lanes=1 if cfg.kv_unified else cfg.lane_count)
     except ConfigError as exc:
         raise ConfigError(f"stage {cfg.stage_id}: ctx_size unset: {exc}") from None
 

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from skippy_stage.model import gguf_file
 
 DESCRIPTION_VERSION = 1
 STDEV = 0.1
@@ -59,11 +61,10 @@ def describe(path: str | Path) -> ModelSpec:
         if field.name.startswith("GGUF."):
             continue
         vtype = GGUFValueType(field.types[0])
-        sub = GGUFValueType(field.types[-1]).name if vtype == GGUFValueType.ARRAY else None
-        value = field.contents()
-        if vtype == GGUFValueType.ARRAY and not value:
-            continue  # gguf cannot write an empty array, and llama.cpp reads a missing key the same
-        value = _shortest(value, vtype, sub)
+        sub = gguf_file.item_type(field).name if vtype == GGUFValueType.ARRAY else None
+        if sub == GGUFValueType.ARRAY.name:
+            raise ValueError(f"{path.name}: key {field.name} is a nested array; descriptions hold flat ones")
+        value = _shortest(field.contents(), vtype, sub)
         metadata.append((field.name, vtype.name, sub, tuple(value) if isinstance(value, list) else value))
     tensors = []
     for t in reader.tensors:
@@ -81,20 +82,18 @@ def _seed(seed: int, name: str) -> np.random.Generator:
 def write_model(spec: ModelSpec, dest: str | Path, *, seed: int = 42) -> Path:
     """Write ``spec`` as a GGUF with weights drawn from ``seed``; the same bytes every time."""
     dest = Path(dest)
-    writer = GGUFWriter(dest, arch=spec.architecture)
-    for key, vtype, sub, value in spec.metadata:
-        if key == "general.architecture":
-            continue
-        writer.add_key_value(key, value, GGUFValueType[vtype], sub_type=None if sub is None else GGUFValueType[sub])
+    # general.architecture first, as llama.cpp's saver and gguf-py's writer put it.
+    metadata = [(key, gguf_file.pack_value(GGUFValueType[vtype], value, None if sub is None else GGUFValueType[sub]))
+                for key, vtype, sub, value in sorted(spec.metadata, key=lambda m: m[0] != "general.architecture")]
+    tensors = []
     for t in spec.tensors:
         values = _seed(seed, t.name).normal(0.0, STDEV, size=t.shape).astype(np.float32)
         if "ssm_a" in t.name:
             values = -np.abs(values)
-        writer.add_tensor(t.name, values.astype(_NUMPY_TYPES[GGMLQuantizationType[t.type]]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        ggml_type = GGMLQuantizationType[t.type]
+        tensors.append(gguf_file.tensor_from_array(t.name, values.astype(_NUMPY_TYPES[ggml_type]), ggml_type))
+    alignment = next((int(v) for k, _, _, v in spec.metadata if k == "general.alignment"), gguf_file.DEFAULT_ALIGNMENT)
+    gguf_file.write_gguf(dest, metadata, tensors, alignment=alignment)
     return dest
 
 

@@ -5,6 +5,10 @@ source, deepened to 6+ layers): the repository keeps their description
 (tests/fixtures/archs.jsonl.gz) and regenerates the random weights here. Each accepted
 fixture is split in three with a one-layer stage and run through ``verify`` against the
 unsplit model; the table in ``skippy_stage.model.proofs`` must say what these runs say.
+
+The same test's models as it saves them (2 layers for most, not deepened; their description is
+tests/fixtures/archs-as-saved.jsonl.gz) must each slice and verify exact, or be refused by name:
+a user's first GGUF is as likely to look like them as like the deepened ones.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 
 from skippy_stage.errors import ConfigError, UnsupportedModelError
@@ -144,3 +149,47 @@ def test_a_fixture_is_the_same_file_every_time_and_describes_back_to_its_descrip
     assert again.tensors == spec.tensors
     assert {k: v for k, _, _, v in again.metadata} == {k: v for k, _, _, v in spec.metadata}
     assert spec.block_count >= 6
+
+
+# -- the models as llama.cpp saves them -----------------------------------------------------------
+
+AS_SAVED = synthetic.load_specs(DESCRIPTION.with_name("archs-as-saved.jsonl.gz"))
+
+
+@pytest.fixture(scope="module")
+def as_saved_verdicts() -> dict[str, dict[str, object]]:
+    from support import as_saved
+
+    rows = as_saved.verdicts(sorted(AS_SAVED))
+    for stem, r in sorted(rows.items()):
+        print(f"{stem:34} slice {r['slice']:8} {r['verdict']:8} {r.get('split', ''):9} {str(r.get('reason', ''))[:150]}")
+    counts = {v: sum(r["verdict"] == v for r in rows.values()) for v in ("exact", "refused", "failed")}
+    print(f"{len(rows)} models as saved: slice ok {sum(r['slice'] == 'ok' for r in rows.values())}, "
+          f"verify exact {counts['exact']}, refused by name {counts['refused']}, failed {counts['failed']}")
+    return rows
+
+
+def test_the_as_saved_models_are_the_tests_own_with_their_empty_arrays(tmp_path):
+    """The description is of the unmodified test's files: mostly 2 layers, empty arrays kept with their type."""
+    assert len(AS_SAVED) >= 100
+    assert sum(s.block_count == 2 for s in AS_SAVED.values()) > len(AS_SAVED) // 2
+    spec = AS_SAVED["llama-dense"]
+    empty = {k: sub for k, t, sub, v in spec.metadata if t == "ARRAY" and v == ()}
+    assert empty.get("tokenizer.ggml.merges") == "STRING"
+    reader = gguf.GGUFReader(synthetic.write_model(spec, tmp_path / "llama-dense.gguf", seed=42))
+    merges = reader.get_field("tokenizer.ggml.merges")
+    assert merges.contents() == [] and gguf.GGUFValueType(int(merges.parts[3][0])) == gguf.GGUFValueType.STRING
+
+
+def test_every_as_saved_model_slices_and_verifies_exact_or_is_refused_by_name(as_saved_verdicts):
+    """Each of test-llama-archs' models as saved: split (the first 2-way split its rules allow), sliced,
+    verified against the unsplit model; or refused naming its architecture and why."""
+    assert set(as_saved_verdicts) == set(AS_SAVED)
+    failed = {stem: r["reason"] for stem, r in as_saved_verdicts.items() if r["verdict"] == "failed"}
+    assert not failed, json.dumps(failed, indent=1)
+    for stem, r in as_saved_verdicts.items():
+        if r["verdict"] == "refused":
+            arch = AS_SAVED[stem].architecture
+            assert f"'{arch}'" in str(r["reason"]) or f"{arch} model" in str(r["reason"]), (stem, r["reason"])
+        else:
+            assert r["slice"] == "ok", stem

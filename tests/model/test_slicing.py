@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from skippy_stage.errors import ConfigError, UnsupportedModelError
+from skippy_stage.model import gguf_file
 from skippy_stage.model.slicing import (
     MANIFEST_SUFFIX,
     StageFile,
@@ -290,3 +291,90 @@ def test_unproven_architecture_is_refused_by_name(tmp_path: Path) -> None:
     assert not cache.exists()
     with pytest.raises(UnsupportedModelError, match="'unheard-of'"):
         write_slice(source, tmp_path / "out.gguf", 0, 1, final=False)
+
+
+# -- every GGUF value type, as llama.cpp reads them ----------------------------------------------
+
+T = gguf.GGUFValueType
+SCALARS = {
+    T.UINT8: 200, T.INT8: -100, T.UINT16: 60000, T.INT16: -30000, T.UINT32: 4_000_000_000, T.INT32: -2_000_000_000,
+    T.FLOAT32: 0.1, T.BOOL: True, T.STRING: "żółw \U0001f422", T.UINT64: 2**63 + 5, T.INT64: -(2**62), T.FLOAT64: 1e-300,
+}
+ARRAYS = {
+    T.UINT8: [0, 255], T.INT8: [-128, 127], T.UINT16: [1, 65535], T.INT16: [-32768, 7], T.UINT32: [1, 2**32 - 1],
+    T.INT32: [-(2**31), 5], T.FLOAT32: [0.1, -2.5], T.BOOL: [True, False], T.STRING: ["a", "", "ü"],
+    T.UINT64: [2**64 - 1], T.INT64: [-(2**63)], T.FLOAT64: [0.1, float("inf")],
+}
+# key -> (value type, item type, value): a scalar of each of the 12 types and the string, an array
+# of each, and an empty array of each (llama.cpp's own saver writes ``tokenizer.ggml.merges = []``).
+TYPED_KEYS = {
+    **{f"test.scalar.{t.name.lower()}": (t, None, v) for t, v in SCALARS.items()},
+    **{f"test.array.{t.name.lower()}": (T.ARRAY, t, v) for t, v in ARRAYS.items()},
+    **{f"test.empty.{t.name.lower()}": (T.ARRAY, t, []) for t in ARRAYS},
+}
+
+
+# ``{arch}.*`` arrays of one value per block, of each item type: a slice keeps its blocks' values.
+PER_LAYER = {f"llama.test_per_layer.{t.name.lower()}": (t, (v * 4)[:4]) for t, v in ARRAYS.items()}
+
+
+def read_typed(field: gguf.ReaderField) -> tuple[gguf.GGUFValueType, gguf.GGUFValueType | None, object]:
+    """(type, item type, value) as gguf-py's reader sees them; the item type from the file's own
+    bytes, since the reader's ``types`` has none for an empty array."""
+    vtype = T(field.types[0])
+    if vtype != T.ARRAY:
+        return vtype, None, field.contents()
+    return vtype, T(int(field.parts[3][0])), field.contents()
+
+
+@pytest.fixture(scope="module")
+def typed_slice(tmp_path_factory: pytest.TempPathFactory) -> tuple[gguf.GGUFReader, gguf.GGUFReader]:
+    """A 4-block model carrying every typed key, and its slice 1:3 (through ``stage_file``)."""
+    directory = tmp_path_factory.mktemp("typed")
+    source = directory / "typed.gguf"
+    order = "<"
+    metadata = [("general.architecture", gguf_file.pack_value(T.STRING, "llama")),
+                ("llama.block_count", gguf_file.pack_value(T.UINT32, 4)),
+                ("llama.embedding_length", gguf_file.pack_value(T.UINT32, 8))]
+    metadata += [(key, gguf_file.pack_value(vtype, value, sub, order=order)) for key, (vtype, sub, value) in TYPED_KEYS.items()]
+    metadata += [(key, gguf_file.pack_value(T.ARRAY, value, sub, order=order)) for key, (sub, value) in PER_LAYER.items()]
+    tensors = [gguf_file.tensor_from_array("token_embd.weight", np.zeros((4, 8), np.float32), gguf.GGMLQuantizationType.F32)]
+    tensors += [gguf_file.tensor_from_array(f"blk.{i}.attn_norm.weight", np.full(8, i, np.float32),
+                                            gguf.GGMLQuantizationType.F32) for i in range(4)]
+    tensors.append(gguf_file.tensor_from_array("output_norm.weight", np.ones(8, np.float32), gguf.GGMLQuantizationType.F32))
+    gguf_file.write_gguf(source, metadata, tensors)
+    sliced = stage_file(source, 1, 3, final=False, cache_dir=directory / "cache").path
+    return gguf.GGUFReader(source), gguf.GGUFReader(sliced)
+
+
+@pytest.mark.parametrize("key", sorted(TYPED_KEYS))
+def test_every_gguf_value_type_round_trips_through_a_slice(typed_slice, key: str) -> None:
+    source, sliced = typed_slice
+    vtype, sub, value = TYPED_KEYS[key]
+    written = read_typed(source.get_field(key))
+    assert written[:2] == (vtype, sub)
+    if vtype == T.FLOAT32 or sub == T.FLOAT32:
+        assert np.array_equal(np.float32(written[2]), np.float32(value))
+    else:
+        assert written[2] == value
+
+    assert read_typed(sliced.get_field(key)) == written
+    assert gguf_file.raw_value(sliced.get_field(key)) == gguf_file.raw_value(source.get_field(key))
+
+
+def test_a_slice_keeps_every_key_of_its_source_and_rewrites_only_the_range_keys(typed_slice) -> None:
+    source, sliced = typed_slice
+    names = {n for n in source.fields if not n.startswith("GGUF.")}
+    added = {n for n in sliced.fields if not n.startswith("GGUF.")} - names
+    changed = {n for n in names if gguf_file.raw_value(source.fields[n]) != gguf_file.raw_value(sliced.fields[n])}
+
+    assert added == {f"skippy.slice.{k}" for k in ("version", "layer_start", "layer_end", "source_block_count", "final")}
+    assert changed == {"llama.block_count", *PER_LAYER}
+
+
+@pytest.mark.parametrize("key", sorted(PER_LAYER))
+def test_a_per_layer_array_of_every_item_type_is_sliced_to_the_range(typed_slice, key: str) -> None:
+    source, sliced = typed_slice
+    vtype, sub, values = read_typed(source.get_field(key))
+
+    assert read_typed(sliced.get_field(key)) == (vtype, sub, values[1:3])

@@ -1,0 +1,149 @@
+"""GGUF files written byte for byte as llama.cpp reads them: the slicer's and the fixtures' writer.
+
+gguf-py's ``GGUFWriter`` re-encodes every metadata value from Python, and that loses things a
+valid GGUF holds: it refuses an empty array whatever its element type (llama.cpp's own saver
+writes ``tokenizer.ggml.merges = []`` and ``<arch>.classifier.output_labels = []``), a reader's
+empty array no longer says its element type, nested arrays get their item type guessed, and a
+string that is not UTF-8 does not decode. A slice must be its source minus what it drops, so
+metadata travels here as typed bytes: copied from the source as they are (:func:`raw_value`),
+or packed from a Python value only for the keys a slice rewrites (:func:`pack_value`). Tensor
+data is copied as bytes too, whatever its type.
+
+The layout is GGUF v3's: header, key/values, tensor infos, padding to the alignment, tensor
+data each starting on an aligned offset. Numbers are in the byte order of the file's source.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFEndian, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField, ReaderTensor
+
+GGUF_VERSION = 3
+DEFAULT_ALIGNMENT = 32
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+}
+
+
+def byte_order(reader: GGUFReader) -> str:
+    """The ``struct`` prefix of the file ``reader`` read: ``<`` or ``>``."""
+    return ">" if reader.endianess == GGUFEndian.BIG else "<"
+
+
+def pack_value(vtype: GGUFValueType, value: Any, sub_type: GGUFValueType | None = None, *, order: str = "<") -> bytes:
+    """A value's GGUF type tag and bytes; an array needs its ``sub_type``, the one thing an empty
+    array cannot be asked for."""
+    return struct.pack(f"{order}I", vtype) + _pack_payload(vtype, value, sub_type, order)
+
+
+def _pack_payload(vtype: GGUFValueType, value: Any, sub_type: GGUFValueType | None, order: str) -> bytes:
+    fmt = _SCALAR_FORMATS.get(vtype)
+    if fmt is not None:
+        return struct.pack(order + fmt, value)
+    if vtype == GGUFValueType.STRING:
+        data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        return struct.pack(f"{order}Q", len(data)) + data
+    if vtype == GGUFValueType.ARRAY:
+        if sub_type is None or sub_type == GGUFValueType.ARRAY:
+            raise ValueError("an array is packed with its scalar or string item type")
+        items = list(value)
+        head = struct.pack(f"{order}IQ", sub_type, len(items))
+        item_fmt = _SCALAR_FORMATS.get(sub_type)
+        if item_fmt is not None:
+            return head + struct.pack(f"{order}{len(items)}{item_fmt}", *items)
+        return head + b"".join(_pack_payload(sub_type, item, None, order) for item in items)
+    raise ValueError(f"no GGUF value type {vtype!r}")
+
+
+def raw_value(field: ReaderField) -> bytes:
+    """The field's type tag and value exactly as its file holds them (parts after the key)."""
+    return b"".join(part.tobytes() for part in field.parts[2:])
+
+
+def item_type(field: ReaderField) -> GGUFValueType:
+    """An array field's element type, read from the file: the reader's ``types`` omits it for an
+    empty array."""
+    return GGUFValueType(int(field.parts[3][0]))
+
+
+def array_items(field: ReaderField, start: int, end: int, *, order: str = "<") -> bytes:
+    """Items ``[start, end)`` of a flat array field, as the file holds them, behind a new header."""
+    sub = item_type(field)
+    if sub == GGUFValueType.ARRAY:
+        raise ValueError(f"{field.name}: a nested array has no per-item slice")
+    indices = field.data[start:end]
+    # A string item is two parts, its length before its bytes; data indexes the bytes.
+    width = 2 if sub == GGUFValueType.STRING else 1
+    body = b"".join(field.parts[i - k].tobytes() for i in indices for k in range(width - 1, -1, -1))
+    return struct.pack(f"{order}IIQ", GGUFValueType.ARRAY, sub, len(indices)) + body
+
+
+def array_length(field: ReaderField) -> int:
+    """How many items an array field holds (0 for a scalar)."""
+    return int(field.parts[4][0]) if field.types and field.types[0] == GGUFValueType.ARRAY else 0
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: ggml dimension order (fastest first), ggml type id, and its bytes."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    data: Any  # anything with the buffer protocol: a memmap view of the source, an ndarray
+
+    @property
+    def n_bytes(self) -> int:
+        return memoryview(self.data).nbytes
+
+
+def tensor_from_reader(reader: GGUFReader, tensor: ReaderTensor, name: str) -> Tensor:
+    """``tensor``'s bytes in the source, uncopied, under ``name``."""
+    dims = tuple(int(d) for d in tensor.field.parts[3])
+    start = int(tensor.data_offset)
+    return Tensor(name, dims, int(tensor.tensor_type), reader.data[start : start + int(tensor.n_bytes)])
+
+
+def tensor_from_array(name: str, values: np.ndarray, ggml_type: int) -> Tensor:
+    return Tensor(name, tuple(reversed(values.shape)), ggml_type, np.ascontiguousarray(values))
+
+
+def _pad(n: int, alignment: int) -> int:
+    return (alignment - n % alignment) % alignment
+
+
+def write_gguf(dest: str | Path, metadata: Iterable[tuple[str, bytes]], tensors: Sequence[Tensor], *,
+               alignment: int = DEFAULT_ALIGNMENT, order: str = "<",
+               on_tensor: Callable[[int], None] | None = None) -> None:
+    """Write a GGUF of ``metadata`` (key, :func:`pack_value`/:func:`raw_value` bytes) and ``tensors``.
+
+    ``alignment`` must be what the metadata's ``general.alignment`` says (32 when it is absent).
+    """
+    kv = list(metadata)
+    with open(dest, "wb") as f:
+        f.write(b"GGUF")
+        f.write(struct.pack(f"{order}IQQ", GGUF_VERSION, len(tensors), len(kv)))
+        for key, value in kv:
+            f.write(_pack_payload(GGUFValueType.STRING, key, None, order))
+            f.write(value)
+        offset = 0
+        for t in tensors:
+            f.write(_pack_payload(GGUFValueType.STRING, t.name, None, order))
+            f.write(struct.pack(f"{order}I{len(t.dims)}QIQ", len(t.dims), *t.dims, t.ggml_type, offset))
+            offset += t.n_bytes + _pad(t.n_bytes, alignment)
+        f.write(b"\0" * _pad(f.tell(), alignment))
+        for t in tensors:
+            f.write(memoryview(t.data).cast("B"))
+            f.write(b"\0" * _pad(t.n_bytes, alignment))
+            if on_tensor is not None:
+                on_tensor(t.n_bytes)
