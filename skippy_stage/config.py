@@ -212,6 +212,7 @@ class PeerConfig:
 
 DRAFTERS = ("none", "ngram", "model")
 MAX_DRAFT_K = 16
+AUTO_DRAFT_K = 8  # k="auto": adaptive drafting, at most this many tokens per step
 MAX_NGRAM = 8
 MTP_REFUSAL = ("native multi-token-prediction heads are not supported: the pinned llama.cpp "
                "loads MTP tensors (llama_model_params.load_mtp, LLAMA_CONTEXT_TYPE_MTP), but no model or fixture "
@@ -222,14 +223,29 @@ MTP_REFUSAL = ("native multi-token-prediction heads are not supported: the pinne
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the head speculates (its ``speculative`` config), and one generation's own settings
-    over it (``override``; a request may not name a draft model file)."""
+    over it (``override``; a request may not name a draft model file).
+
+    ``k`` a number is fixed drafting: every step drafts what the drafter finds, up to k, as
+    llama-cpp-python's ``Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))`` does, so
+    the batches are the reference's and greedy text equals its text. ``k="auto"`` asks for adaptive
+    drafting by name; built, it is ``k=AUTO_DRAFT_K, adaptive=True``."""
 
     drafter: str = "none"  # "none", "ngram" (prompt lookup) or "model" (a draft GGUF at the head)
-    k: int = 8  # most tokens drafted per step (adaptive: from 4, two more after a step whose drafts were all kept)
+    # Most tokens drafted per step: a number (fixed: the reference's drafting, exactly), or "auto"
+    # (adaptive, up to AUTO_DRAFT_K).
+    k: int = 8
     ngram: int = 2  # ngram: the longest n-gram looked up (LlamaPromptLookupDecoding's max_ngram_size)
-    # draft fewer (down to none) while drafts keep being rejected; ngram: look up where the context agrees
-    adaptive: bool = True
+    # The long form of k="auto", with k as its ceiling: draft 4, two more after a step whose drafts
+    # were all kept, fewer (down to none) while drafts are rejected; ngram: look up where the context
+    # agrees. It changes the batches' shapes, and with them the kernels: greedy text may then differ
+    # from the reference's (and from a run without speculation).
+    adaptive: bool = False
     model_path: str | None = None  # model: the draft GGUF, sharing the target's vocabulary
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, str) and self.k == "auto":
+            object.__setattr__(self, "k", AUTO_DRAFT_K)
+            object.__setattr__(self, "adaptive", True)
 
     @property
     def enabled(self) -> bool:
@@ -242,7 +258,7 @@ class SpeculativeConfig:
         if self.drafter not in DRAFTERS:
             return f"drafter={self.drafter!r} must be one of {', '.join(DRAFTERS)}"
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_DRAFT_K:
-            return f"k={self.k!r} must be an integer in [1, {MAX_DRAFT_K}]"
+            return f"k={self.k!r} must be an integer in [1, {MAX_DRAFT_K}] or 'auto'"
         if isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or not 1 <= self.ngram <= MAX_NGRAM:
             return f"ngram={self.ngram!r} must be an integer in [1, {MAX_NGRAM}]"
         if not isinstance(self.adaptive, bool):
@@ -251,8 +267,12 @@ class SpeculativeConfig:
             return f"model_path={self.model_path!r} must be a path"
         return None
 
-    def override(self, *, drafter: str | None = None, k: int | None = None, ngram: int | None = None,
+    def override(self, *, drafter: str | None = None, k: int | str | None = None, ngram: int | None = None,
                  adaptive: bool | None = None) -> SpeculativeConfig:
+        """These settings with a request's over them. A number k of its own is fixed drafting,
+        whatever the head's (unless the request also says ``adaptive``)."""
+        if k is not None and k != "auto" and adaptive is None:
+            adaptive = False
         changes = {name: value for name, value in (("drafter", drafter), ("k", k), ("ngram", ngram),
                                                    ("adaptive", adaptive)) if value is not None}
         return dataclasses.replace(self, **changes) if changes else self
@@ -297,9 +317,13 @@ class StageConfig:
     # unsplit-equivalence contract exact ("auto" picks other kernels on CPU).
     flash_attn_type: str = "disabled"
     kv_offload: bool = True
-    # One KV pool shared by every lane (as llama-server's parallel slots): a session may use
-    # the whole context while admission shares the pool. Off: ctx_size / lane_count each.
-    kv_unified: bool = True
+    # Off (the default): each lane has KV cells of its own, ctx_size / lane_count (with ctx_size
+    # unset, the model's training context each), so a session's text does not depend on what
+    # other sessions do and a finished chat keeps its prefix resident for its next turn. On: one
+    # pool shared by every lane (llama-server's parallel slots): one session may use the whole
+    # context, but other sessions' cells change the attention's summation blocks (greedy text
+    # then depends on load) and no prefix stays resident.
+    kv_unified: bool = False
     swa_full: bool = False
     cache_idle_slots: int | None = None
     split_mode: str = "auto"
@@ -360,6 +384,15 @@ class StageConfig:
     # A file holding the bearer token every RPC but Health must carry (and that this
     # stage sends downstream).
     auth_token_path: str | None = None
+    # A stage whose bind_addr other hosts can reach (not loopback) refuses to start without a
+    # token or TLS, since anyone who reaches its ports could otherwise feed it frames; true says
+    # the network itself is trusted (Redis's protected mode).
+    allow_insecure: bool = False
+    # Live sessions that the connections of one remote host may hold together unless they are
+    # this stage's chain (they presented the token or a certificate of tls_ca_path, or without
+    # either their hello names the upstream's stage_id); unset: a quarter of lane_count, at least 1.
+    # A connection's sessions are freed on every stage when it closes (``stage.peers``).
+    peer_session_cap: int | None = None
     # OpenAI-compatible HTTP API on this port, head stage only (unset: off).
     http_port: int | None = None
     admission_queue: int = 64
@@ -677,6 +710,9 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.grpc_workers > 1024:
         raise _fail(cfg, "grpc_workers", cfg.grpc_workers, "must be <= 1024")
     _require_int(cfg, "cache_idle_slots", 0, optional=True)
+    _require_int(cfg, "peer_session_cap", 0, optional=True)
+    if cfg.peer_session_cap is not None and cfg.peer_session_cap > cfg.lane_count:
+        raise _fail(cfg, "peer_session_cap", cfg.peer_session_cap, f"must be <= lane_count={cfg.lane_count}")
     spec = cfg.speculative
     if not isinstance(spec, SpeculativeConfig):
         raise _fail(cfg, "speculative", spec, "must be an object (drafter, k, ngram, adaptive, model_path)")
@@ -701,7 +737,7 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.cache_idle_slots is not None and cfg.cache_idle_slots > cfg.lane_count:
         raise _fail(cfg, "cache_idle_slots", cfg.cache_idle_slots, f"must be <= lane_count={cfg.lane_count}")
     for name in ("mlock", "direct_io", "repack", "check_tensors", "no_host_buffer", "kv_offload", "kv_unified",
-                 "swa_full", "native_frames", "lone_steps"):
+                 "swa_full", "native_frames", "lone_steps", "allow_insecure"):
         _require_bool(cfg, name)
     for name in ("mmap", "op_offload"):
         _require_bool(cfg, name, optional=True)

@@ -6,17 +6,21 @@
   certificate per stage (with both serverAuth and clientAuth usage) covers both roles.
 * A bearer token (``auth_token_path``) is checked on every RPC except the health service,
   which orchestrators probe without credentials; stages pass it on downstream.
+* Protected mode (Redis's): a stage that other hosts can reach (``bind_addr`` not loopback) with
+  neither a token nor TLS refuses to start (:func:`check_exposure`) unless ``allow_insecure``
+  says the network is trusted. Who may then hold the stage's lanes is ``stage.peers``'s rule.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from skippy_stage.config import StageConfig
+from skippy_stage.config import StageConfig, parse_endpoint
 from skippy_stage.errors import ConfigError
 
 UNAUTHENTICATED_EXEMPT = ("/grpc.health.v1.Health/",)
@@ -29,6 +33,32 @@ def _read(path: str | None, what: str, stage_id: str) -> bytes | None:
         return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"stage {stage_id}: cannot read {what} {path}: {exc.strerror}") from exc
+
+
+def loopback(host: str) -> bool:
+    """Whether only this host can reach ``host`` (a name other than localhost may resolve to any
+    address, so it counts as reachable)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(cfg: StageConfig) -> None:
+    """Refuse to serve on an address other hosts can reach with neither a token nor TLS: anyone
+    reaching the ports could feed the stage frames and hold its lanes (ConfigError naming why),
+    unless ``allow_insecure`` says the network is trusted."""
+    host = parse_endpoint(cfg.bind_addr, stage_id=cfg.stage_id, field_name="bind_addr", allow_port_zero=True).host
+    if loopback(host) or cfg.allow_insecure or cfg.auth_token_path is not None or cfg.tls_cert_path is not None:
+        return
+    raise ConfigError(
+        f"stage {cfg.stage_id}: bind_addr={cfg.bind_addr!r} can be reached from other hosts and the stage has "
+        f"neither auth_token_path nor tls_cert_path, so anyone who reaches its ports could feed it frames and hold "
+        f"its lanes: give every stage of the chain the same token file (auth_token_path), or TLS, or set "
+        f"allow_insecure: true if the network itself is trusted (allow_insecure={cfg.allow_insecure!r})"
+    )
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ def start_pipeline(tmp_path_factory: pytest.TempPathFactory, slice_cache: Path):
         ports = free_ports("127.0.0.1", len(ranges))
         # Stages on one host share its cores (as `skippy-stage up` does): cores / stages threads each.
         threads = max(1, (os.cpu_count() or 1) // len(ranges))
-        extra = {"cache_dir": str(slice_cache), "ctx_size": 2048, "lane_count": 4, "n_threads": threads, **extra}
+        # 2048 KV cells for each of 4 separate lanes (kv_unified off, the default), unless overridden.
+        extra = {"cache_dir": str(slice_cache), "ctx_size": 4 * 2048, "lane_count": 4, "n_threads": threads, **extra}
         shared = {k: v for k, v in extra.items() if not isinstance(v, list)}
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra=shared,
                                    return_path=return_path)

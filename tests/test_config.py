@@ -606,7 +606,7 @@ def test_loader_defaults_follow_the_seed_and_llama_server() -> None:
     cfg = config()
     assert (cfg.repack, cfg.mmap, cfg.mlock, cfg.direct_io, cfg.check_tensors, cfg.no_host_buffer) == \
         (False, None, False, False, False, False)
-    assert (cfg.kv_unified, cfg.ctx_size, cfg.split_mode) == (True, None, "auto")
+    assert (cfg.kv_unified, cfg.ctx_size, cfg.split_mode) == (False, None, "auto")
 
 
 def test_session_idle_ttl_zero_means_never() -> None:

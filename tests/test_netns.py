@@ -210,7 +210,8 @@ def test_cutting_the_link_between_two_stages_fails_fast_hangs_nothing_and_heals(
     script = tmp_path / "netns_client.py"
     script.write_text(CLIENT)
     common = {"model_path": str(smollm2), "cache_dir": str(slice_cache), "n_threads": 1, "ctx_size": 2048,
-              "lane_count": 2, "recovery_wait_s": 0, "downstream_ready_timeout_s": 120, "session_idle_ttl_s": 600}
+              "lane_count": 2, "recovery_wait_s": 0, "downstream_ready_timeout_s": 120, "session_idle_ttl_s": 600,
+              "allow_insecure": True}  # bound to a namespace address: the test network is trusted
     head = f"127.0.0.1:{HEAD_PORT}"
     tail = f"{net.addr_b}:{TAIL_PORT}"
     configs = [

@@ -16,6 +16,7 @@ import time
 import grpc
 import openai
 import pytest
+from support.chat import MAX_TOKENS, TURNS, chat, reference_chat
 from support.pipeline import StreamingRun, assert_no_active_sessions, grpc_generate, metric, scrape, status
 from support.waiting import eventually
 
@@ -25,36 +26,7 @@ from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
-MAX_TOKENS = 24
 STAGE_OPTIONS = {"n_threads": 1, "kv_unified": False}
-TURNS = ["What is the capital of France?", "And the capital of Italy?", "Which of the two cities is older?",
-         "Answer that again in one word."]
-
-
-def reference_chat(model, turns: list[str]) -> list[str]:
-    llm = reference_llama(model, n_ctx=2048, verbose=False)
-    try:
-        messages, answers = [], []
-        for question in turns:
-            messages.append({"role": "user", "content": question})
-            answer = llm.create_chat_completion(messages, temperature=0, max_tokens=MAX_TOKENS)
-            answers.append(answer["choices"][0]["message"]["content"])
-            messages.append({"role": "assistant", "content": answers[-1]})
-        return answers
-    finally:
-        llm.close()
-
-
-def chat(client: openai.OpenAI, model_name: str, turns: list[str]) -> tuple[list[str], list[int]]:
-    messages, answers, cached = [], [], []
-    for question in turns:
-        messages.append({"role": "user", "content": question})
-        result = client.chat.completions.create(model=model_name, messages=messages, temperature=0,
-                                                max_tokens=MAX_TOKENS)
-        answers.append(result.choices[0].message.content)
-        cached.append(result.usage.prompt_tokens_details.cached_tokens)
-        messages.append({"role": "assistant", "content": answers[-1]})
-    return answers, cached
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def pipeline(start_pipeline, smollm2):
     # Separate lanes: a shared KV pool interleaves concurrent sessions' cells, and the text could
     # then depend on the company a request keeps (README, kv_unified).
     p = start_pipeline(smollm2, RANGES, http_port=[http, None, None], metrics_port=metrics_ports,
-                       kv_unified=False, speculative=[{"drafter": "ngram", "k": K, "adaptive": False}, None, None])
+                       kv_unified=False, speculative=[{"drafter": "ngram", "k": K}, None, None])
     p.http, p.metrics_ports = http, metrics_ports
     yield p
     p.stop()
@@ -81,7 +81,7 @@ def test_greedy_ngram_speculation_over_three_stages_equals_llama_cpp_pythons_pro
 
 def test_a_request_overrides_the_heads_speculation_and_its_own_k_is_still_exact(pipeline, smollm2):
     expected = reference(smollm2, [REPETITIVE], k=2, ngram=3)
-    spec = pb.Speculative(drafter="ngram", k=2, ngram=3, adaptive=False)
+    spec = pb.Speculative(drafter="ngram", k=2, ngram=3)
     assert generate(pipeline.head_endpoint, REPETITIVE, spec) == expected[0]
 
 
@@ -104,11 +104,11 @@ def test_the_openai_api_takes_speculative_settings_and_refuses_bad_ones_by_field
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{pipeline.http}/v1", api_key="unused", max_retries=0,
                            timeout=120)
     result = client.completions.create(model="m", prompt=REPETITIVE, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"speculative": {"drafter": "ngram", "k": K, "adaptive": False}})
+                                       extra_body={"speculative": {"drafter": "ngram", "k": K}})
     assert result.choices[0].text == ngram_texts[0]
     # usage counts what was generated, as without speculation: one completion token per token emitted
     request = pb.GenerateRequest(prompt=REPETITIVE, max_tokens=MAX_TOKENS,
-                                 speculative=pb.Speculative(drafter="ngram", k=K, adaptive=False))
+                                 speculative=pb.Speculative(drafter="ngram", k=K))
     with grpc.insecure_channel(pipeline.head_endpoint) as channel:
         messages = list(pb_grpc.StageServiceStub(channel).Generate(request, timeout=300))
     emitted = sum(len(m.token_ids) for m in messages)
@@ -140,8 +140,8 @@ def test_the_model_drafter_runs_a_draft_gguf_at_the_head_and_equals_llama_with_t
 
     metrics_ports = free_ports("127.0.0.1", 3)
     pipeline = start_pipeline(smollm2, RANGES, kv_unified=False, metrics_port=metrics_ports,
-                              speculative=[{"drafter": "model", "model_path": str(smollm2), "k": 3,
-                                            "adaptive": False}, None, None])
+                              speculative=[{"drafter": "model", "model_path": str(smollm2), "k": 3},
+                                           None, None])
     try:
         texts = [generate(pipeline.head_endpoint, p, max_tokens=32) for p in (FREE_FORM, CODE)]
         m = scrape(metrics_ports[0])
@@ -221,10 +221,10 @@ def test_adaptive_prompt_lookup_continues_where_the_context_agrees_and_the_refer
     assert NgramDrafter(2, by_context=True)(history, 2) == [ate, dot]
     # Nothing earlier matches the last token: no draft, as the reference.
     assert NgramDrafter(2, by_context=True)([1, 2, 3, 4], 3) == NgramDrafter(2)([1, 2, 3, 4], 3) == []
-    # Adaptive k off is the reference schedule, drafts included; on, the context lookup.
+    # A fixed k is the reference schedule, drafts included; adaptive drafting, the context lookup.
     drafters = Drafters()
-    assert drafters.for_spec(SpeculativeConfig(drafter="ngram", k=2, adaptive=False))(history, 2) == reference
-    assert drafters.for_spec(SpeculativeConfig(drafter="ngram", k=2, adaptive=True))(history, 2) == [ate, dot]
+    assert drafters.for_spec(SpeculativeConfig(drafter="ngram", k=2))(history, 2) == reference
+    assert drafters.for_spec(SpeculativeConfig(drafter="ngram", k="auto"))(history, 2) == [ate, dot]
 
 
 @pytest.mark.parametrize("settings, field", [

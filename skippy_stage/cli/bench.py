@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -33,6 +33,7 @@ import structlog
 
 from skippy_stage.cli.client import generate
 from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, stage_environment
+from skippy_stage.cli.settings import apply_settings
 from skippy_stage.config import MAX_STREAM_INTERVAL_MS, SHARED_HOST_PLACES_ENV, StageConfig
 from skippy_stage.errors import SkippyError
 from skippy_stage.model import threadpool
@@ -53,6 +54,8 @@ PREFILL_TOKENS = 64 if _QUICK else 512
 CONCURRENCY = (1, 4, 8)
 # The 3-stage split every 3-stage figure runs.
 THREE = [(0, 10), (10, 20), (20, 30)]
+# ``bench --set``: applied to the stages of every pipeline a phase starts (see run).
+SETTINGS: list[str] = []
 # A 4-turn chat over a long system message: each turn's prompt holds every turn before it.
 CHAT_SYSTEM = ("You are a careful assistant for a shipping company. " * (6 if _QUICK else 40)).strip()
 CHAT_TURNS = ["Where is my parcel?", "It was sent on Monday from Berlin.", "How long does it usually take?",
@@ -118,7 +121,7 @@ def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, objec
     """The unsplit model in this process, batched through the low-level API: prefill and
     aggregate decode of several sequences."""
     cfg = StageConfig(model_path=str(model), stage_id="single", stage_index=0, layer_start=0, layer_end=30,
-                      n_threads=threads, lane_count=8, ctx_size=8192, n_batch=512, n_ubatch=512, cache_dir=cache_dir)
+                      n_threads=threads, lane_count=8, ctx_size=8 * 2048, n_batch=512, n_ubatch=512, cache_dir=cache_dir)
     runtime = StageRuntime(cfg)
     _, long_tokens = _long_prompt(runtime, PREFILL_TOKENS)
     started = time.perf_counter()
@@ -167,18 +170,20 @@ def stage_threads(n_stages: int) -> int:
 class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
                  transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False,
-                 kv_unified: bool = True, native_frames: bool = True, extra: dict | None = None) -> None:
+                 kv_unified: bool | None = None, native_frames: bool = True, extra: dict | None = None) -> None:
         """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
         again and again, which resident prefixes would answer without a prefill."""
         threads = self.threads = stage_threads(len(ranges))
         ports = free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
-            "n_threads": threads, "lane_count": 8, "ctx_size": 8192, "max_inflight": 1, "cache_dir": cache_dir,
+            "n_threads": threads, "lane_count": 8, "ctx_size": 8 * 2048, "max_inflight": 1, "cache_dir": cache_dir,
             **({"hop_transport": transport} if transport else {}),
-            **({} if prefix_cache else {"cache_idle_slots": 0}), "kv_unified": kv_unified,
+            **({} if prefix_cache else {"cache_idle_slots": 0}),
+            **({} if kv_unified is None else {"kv_unified": kv_unified}),
             "cpu_wake_latency_us": wake_latency_setting(), "native_frames": native_frames, **(extra or {}),
         }, return_path=return_path)
+        configs = apply_settings(configs, SETTINGS)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
         self.local = LocalPipeline(configs, workdir)
@@ -744,7 +749,12 @@ def _aggregate(pipeline: _Pipeline, concurrency: int) -> float:
     return sum(r["completion_tokens"] for r in results) / elapsed
 
 
-def run(json_path: str | None = None) -> dict[str, object]:
+def run(json_path: str | None = None, settings: Sequence[str] = ()) -> dict[str, object]:
+    """Every phase, with ``settings`` (``--set``) applied to the stages of every pipeline it starts
+    (the unsplit references stay as they are)."""
+    SETTINGS[:] = settings
+    # A wrong name or value, refused before anything runs.
+    apply_settings(pipeline_configs("model.gguf", THREE, host="127.0.0.1", ports=[1, 2, 3], extra={}), settings)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     model = smollm2_path()
     cores = os.cpu_count() or 1
@@ -800,6 +810,7 @@ def run(json_path: str | None = None) -> dict[str, object]:
             for name, runs in (("single_process", single_runs), ("pipeline", pipeline_runs))}
         report["chat_ttft_s"] = _chat_ttft(model, Path(tmp), cache_dir)
         report["speculative"] = _speculative(model, Path(tmp), cache_dir)
+        report["repack"] = _repack(Path(tmp), cache_dir, cores)
         report["hop_floor_us"] = hop_floor_us(200 if _QUICK else 2000)
         report["wake_floor_us"] = wake_floor_us(100 if _QUICK else 400)
         report["cpu_wake_latency_us"] = wake_latency_setting()
@@ -886,7 +897,7 @@ def run(json_path: str | None = None) -> dict[str, object]:
 
 def _speculative(model: Path, workdir: Path, cache_dir: str) -> dict[str, dict[str, object]]:
     """3 stages, greedy, one stream: each prompt without speculation and with the ngram drafter
-    (adaptive k, the default), interleaved in rounds (medians). ``tokens_per_trip``: decoded tokens
+    (k=8 drafted as the reference drafts, the default), interleaved in rounds (medians). ``tokens_per_trip``: decoded tokens
     per decode step through the chain (the head's batches, from its metrics); ``ms_per_token``:
     after the first token."""
     (workdir / "speculative").mkdir()
@@ -944,6 +955,107 @@ def _chat_ttft(model: Path, workdir: Path, cache_dir: str) -> dict[str, list[flo
         finally:
             pipeline.stop()
     return {name: [float(np.median(turn)) for turn in zip(*runs)] for name, runs in out.items()}
+
+
+# Weight repacking on vs off: SmolLM2 requantized to Q4_0, every matrix of which llama.cpp repacks on
+# an AVX2 or AVX-512 CPU (of its Q4_1 as packaged: none, both ways would run the same kernels), on
+# 2 stages. Gemma-3-270M Q4_K_M, whose texts differ with repack, repacks 27 small tensors only
+# (12.7 MiB of 248): no difference in speed measured on an AMD EPYC. Sized to add ~30 s.
+REPACK_SPLIT = [(0, 15), (15, 30)]
+REPACK_DECODE_TOKENS = 16 if _QUICK else 32
+REPACK_PREFILL_TOKENS = 64 if _QUICK else 256
+REPACK_ROUNDS = 1 if _QUICK else 5
+
+
+def _llama_decode_ms(llm, tokens: list[int], n_tokens: int) -> float:
+    """ms per greedy token of an in-process ``Llama`` after the first (decode steps only)."""
+    count, started = 0, time.perf_counter()
+    for _ in llm.generate(tokens, temp=0.0, reset=True):
+        count += 1
+        if count == 1:
+            started = time.perf_counter()
+        if count == n_tokens + 1:
+            break
+    return (time.perf_counter() - started) / max(count - 1, 1) * 1e3
+
+
+def _llama_prefill_tps(llm, tokens: list[int]) -> float:
+    llm.reset()
+    started = time.perf_counter()
+    llm.eval(tokens)
+    return len(tokens) / (time.perf_counter() - started)
+
+
+def _repack(workdir: Path, cache_dir: str, cores: int) -> dict[str, object]:
+    """``repack`` off (the default) and on: single-stream decode ms/token and prefill tokens/s of
+    a 2-stage pipeline, each against the unsplit model in this process loaded the same way
+    (``reference_llama(repack=...)``; on is stock ``Llama``'s loading), both pipelines and both
+    models loaded at once and run in interleaved rounds (medians), the others frozen. On an AMX
+    CPU, which refuses repacking, the reason instead, under "skipped"."""
+    from skippy_stage.model import host
+    from skippy_stage.model.loader import reference_llama
+    from skippy_stage.model.packaged import requantized_q4_0
+
+    if host.host_info().amx:
+        return {"skipped": f"this CPU has AMX, where repack=true is refused ({host.AMX_REPACK_CRASH})"}
+    started = time.perf_counter()
+    model = requantized_q4_0(smollm2_path(), workdir)
+    ways = {"off": False, "on": True}
+    singles, pipelines = {}, {}
+    runs: dict[str, dict[str, list[float]]] = {way: {"single_ms": [], "single_tps": [], "pipeline_ms": [],
+                                                     "pipeline_tps": []} for way in ways}
+    try:
+        for way, repack in ways.items():
+            singles[way] = reference_llama(model, repack=repack, n_ctx=2048, n_threads=cores, n_threads_batch=cores,
+                                           verbose=False)
+            (workdir / f"repack-{way}").mkdir()
+            pipelines[way] = _Pipeline(model, REPACK_SPLIT, workdir / f"repack-{way}", cache_dir,
+                                       extra={"repack": repack, "lane_count": 1, "ctx_size": 2048})
+        llm = singles["off"]
+        decode_tokens = llm.tokenize(PROMPT.encode())
+        text = "The history of the lighthouse begins with fires lit on hilltops to guide ships home. "
+        prefill_tokens = llm.tokenize((text * REPACK_PREFILL_TOKENS).encode())[:REPACK_PREFILL_TOKENS]
+        prefill_text = llm.detokenize(prefill_tokens[1:]).decode()  # the head adds the BOS itself
+        with _awake(pipelines.values(), None):
+            for single in singles.values():
+                _llama_decode_ms(single, decode_tokens, 2)  # warm (a pipeline is warmed by _awake)
+        for _ in range(REPACK_ROUNDS):
+            for way in ways:
+                with _awake(pipelines.values(), None):
+                    runs[way]["single_ms"].append(_llama_decode_ms(singles[way], decode_tokens, REPACK_DECODE_TOKENS))
+                    runs[way]["single_tps"].append(_llama_prefill_tps(singles[way], prefill_tokens))
+                with _awake(pipelines.values(), pipelines[way]):
+                    decoded = after_freeze(partial(pipelines[way].generate, PROMPT, REPACK_DECODE_TOKENS + 1))
+                    prefilled = after_freeze(partial(pipelines[way].generate, prefill_text, 1))
+                runs[way]["pipeline_ms"].append(1e3 / decoded["tokens_per_s"])
+                runs[way]["pipeline_tps"].append(prefilled["prompt_tokens"] / prefilled["ttft_s"])
+    finally:
+        for llm in singles.values():
+            llm.close()
+        for pipeline in pipelines.values():
+            pipeline.stop()
+    out: dict[str, object] = {"model": "SmolLM2-135M requantized to Q4_0", "stages": [list(r) for r in REPACK_SPLIT],
+                              "decode_tokens": REPACK_DECODE_TOKENS, "prefill_tokens": REPACK_PREFILL_TOKENS,
+                              "rounds": REPACK_ROUNDS, "seconds": time.perf_counter() - started}
+    for way in ways:
+        m = {key: float(np.median(values)) for key, values in runs[way].items()}
+        out[way] = {"single_process_ms_per_token": m["single_ms"], "pipeline_ms_per_token": m["pipeline_ms"],
+                    "decode_ratio": m["single_ms"] / m["pipeline_ms"],
+                    "single_process_prefill_tokens_per_s": m["single_tps"],
+                    "pipeline_prefill_tokens_per_s": m["pipeline_tps"],
+                    "prefill_ratio": m["pipeline_tps"] / m["single_tps"],
+                    # What the stages ran with (a `bench --set repack=...` applies to these pipelines too).
+                    "stages_repack": bool(pipelines[way].local.configs[0].get("repack", False))}
+    # Above 1: repack on is the faster. Medians of each round's ratio: a round runs off and on one
+    # right after the other, so a busy moment of the host weighs on both sides of its ratio.
+    on, off = runs["on"], runs["off"]
+    out["on_vs_off"] = {
+        "single_process_decode": float(np.median(np.divide(off["single_ms"], on["single_ms"]))),
+        "pipeline_decode": float(np.median(np.divide(off["pipeline_ms"], on["pipeline_ms"]))),
+        "single_process_prefill": float(np.median(np.divide(on["single_tps"], off["single_tps"]))),
+        "pipeline_prefill": float(np.median(np.divide(on["pipeline_tps"], off["pipeline_tps"]))),
+    }
+    return out
 
 
 # Single-stream decode, in two phases of interleaved rounds: the headline ratios (2 and 3 stages,
@@ -1174,4 +1286,19 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"CPU graphs on llama.cpp built without OpenMP: stages {threads['stages']}, single process "
                      f"{threads['single_process']} (the OpenMP settings above do nothing)")
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
+    rp = r["repack"]
+    if "skipped" in rp:
+        lines.append(f"repack on vs off: skipped ({rp['skipped']})")
+    else:
+        for way in ("off", "on"):
+            w = rp[way]
+            lines.append(f"{'decode ms/token, repack ' + way + ', 2 stages':44} {w['pipeline_ms_per_token']:12.2f} "
+                         f"{w['single_process_ms_per_token']:12.2f} {w['decode_ratio']:8.2f}")
+            lines.append(f"{'prefill tok/s, repack ' + way + ', ' + str(rp['prefill_tokens']) + '-token prompt':44} "
+                         f"{w['pipeline_prefill_tokens_per_s']:12.1f} {w['single_process_prefill_tokens_per_s']:12.1f} "
+                         f"{w['prefill_ratio']:8.2f}")
+        v = rp["on_vs_off"]
+        lines.append(f"repack on vs off ({rp['model']}; above 1: on is faster): decode {v['pipeline_decode']:.2f} "
+                     f"(single process {v['single_process_decode']:.2f}), prefill {v['pipeline_prefill']:.2f} "
+                     f"(single process {v['single_process_prefill']:.2f})")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from skippy_stage.config import AUTO_DRAFT_K
 from skippy_stage.errors import SkippyError
 from skippy_stage.security import Credentials
 
@@ -27,16 +28,33 @@ def client_credentials(args: argparse.Namespace) -> Credentials:
 
 
 def speculative_flags(args: argparse.Namespace) -> dict[str, object]:
-    """--speculative/--draft-k/--draft-ngram/--draft-model as SpeculativeConfig fields (only those given)."""
+    """--speculative/--draft-k/--draft-ngram/--draft-model as SpeculativeConfig fields (only those
+    given). A number k is fixed drafting, whatever adaptive setting it lands on."""
     given = {"drafter": args.speculative, "k": args.draft_k, "ngram": args.draft_ngram,
              "model_path": getattr(args, "draft_model", None)}
-    return {k: v for k, v in given.items() if v is not None}
+    flags = {k: v for k, v in given.items() if v is not None}
+    if isinstance(flags.get("k"), int):
+        flags["adaptive"] = False
+    return flags
+
+
+def draft_k(text: str) -> int | str:
+    """--draft-k: a number of tokens, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of tokens nor 'auto'") from None
 
 
 def add_speculative_flags(p: argparse.ArgumentParser, *, model: bool) -> None:
     p.add_argument("--speculative", choices=("none", "ngram", "model"), default=None,
                    help="draft tokens to verify several per trip: ngram (prompt lookup) or model (a draft GGUF)")
-    p.add_argument("--draft-k", type=int, default=None, help="most tokens drafted per step (default 8)")
+    p.add_argument("--draft-k", type=draft_k, default=None, metavar="K|auto",
+                   help="tokens drafted per step: K drafts exactly as llama-cpp-python's "
+                        "LlamaPromptLookupDecoding(num_pred_tokens=K) (default 8); auto: adaptive, up to "
+                        f"{AUTO_DRAFT_K}, which changes batch shapes (greedy text may then differ from the reference's)")
     p.add_argument("--draft-ngram", type=int, default=None,
                    help="ngram drafter: longest n-gram looked up (default 2, LlamaPromptLookupDecoding's)")
     if model:
@@ -56,7 +74,10 @@ def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float,
         sampling.seed = seed
     request = pb.GenerateRequest(max_tokens=max_tokens, sampling=sampling)
     if speculative:
-        request.speculative.CopyFrom(pb.Speculative(**speculative))
+        fields = dict(speculative)
+        if fields.get("k") == "auto":  # the wire's k is a number: "auto" is adaptive up to AUTO_DRAFT_K
+            fields.update(k=AUTO_DRAFT_K, adaptive=True)
+        request.speculative.CopyFrom(pb.Speculative(**fields))
     if stream_interval_ms is not None:
         request.stream_interval_ms = stream_interval_ms
     if chat:

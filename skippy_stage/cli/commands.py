@@ -18,6 +18,7 @@ from pathlib import Path
 from skippy_stage import logs
 from skippy_stage.cli.client import add_speculative_flags, client_credentials, generate, speculative_flags
 from skippy_stage.cli.local import LocalPipeline, even_split, free_ports, parse_layers, pipeline_configs
+from skippy_stage.cli.settings import apply_settings
 from skippy_stage.config import WIRE_DTYPES, StageConfig
 from skippy_stage.errors import SkippyError
 
@@ -48,6 +49,7 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
         configs[0]["http_port"] = args.http_port
     if getattr(args, "speculative", None) is not None or getattr(args, "draft_model", None):
         configs[0]["speculative"] = speculative_flags(args)
+    configs = apply_settings(configs, args.settings)
     pipeline = LocalPipeline(configs, workdir, log_level=getattr(args, "stage_log_level", None))
     try:
         pipeline.wait_serving(args.start_timeout)
@@ -55,6 +57,13 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
         pipeline.stop()
         raise
     return pipeline
+
+
+def _say_native_paths() -> None:
+    """The first line on stderr: whether the stages about to start load the compiled parts."""
+    from skippy_stage.cli.native import probe, summary
+
+    print(f"# {summary(probe())}", file=sys.stderr, flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -86,6 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    _say_native_paths()
     with tempfile.TemporaryDirectory(prefix="skippy-up-") as tmp:
         pipeline = _start_pipeline(args, Path(tmp))
         print(pipeline.head_endpoint, flush=True)
@@ -118,6 +128,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.layers = None
     args.stages = 3
     args.stage_log_level = "warning"  # the answer, not the stages' request logs, on the terminal
+    _say_native_paths()
     with tempfile.TemporaryDirectory(prefix="skippy-demo-") as tmp:
         started = time.perf_counter()
         pipeline = _start_pipeline(args, Path(tmp))
@@ -138,7 +149,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from skippy_stage.cli.bench import format_table, run
 
-    report = run(args.json)
+    report = run(args.json, args.settings)
     print(format_table(report))
     if args.json:
         print(f"# JSON written to {args.json}", file=sys.stderr)
@@ -156,10 +167,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from skippy_stage.cli.native import native_paths, summary
     from skippy_stage.model.preflight import format_info, info_report
 
     report = info_report()
-    print(json.dumps(report, indent=2) if args.json else format_info(report))
+    report["native"] = native_paths()  # what a `serve` started as this process was loads
+    print(json.dumps(report, indent=2) if args.json else f"{format_info(report)}\nnative            {summary(report['native'])}")
     return 0
 
 
@@ -212,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--return-path", choices=("relay", "direct"), default="direct",
                        help="sampled tokens back to the head through every stage (relay) or also straight "
                             "from the final stage (direct)")
+        add_set_flag(p)
+
+    def add_set_flag(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--set", dest="settings", action="append", default=[], metavar="[STAGE_ID.]FIELD=VALUE",
+                       help="set any StageConfig field on every stage (or on STAGE_ID only), after the other flags; "
+                            "VALUE is JSON where it parses, else a string (repeatable; e.g. --set repack=true, "
+                            "--set stage-1.cache_type_k=q8_0)")
 
     p = sub.add_parser("up", help="start one serve process per stage on loopback")
     p.add_argument("--model", required=True)
@@ -245,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure the split's cost against the unsplit model, in one run")
     p.add_argument("--json", help="also write the figures as JSON here")
+    add_set_flag(p)
     p.set_defaults(func=cmd_bench)
 
     from skippy_stage.cli.plan import add_plan_parser

@@ -28,6 +28,22 @@ def stage_environment() -> dict[str, str]:
     return {**os.environ, **shared_host_openmp(dict(os.environ)), PARENT_ENV: str(os.getpid())}
 
 
+def child_python(code: str) -> list[str]:
+    """The command that runs ``code`` in a Python started here, importing what this interpreter
+    has installed and never the current directory: ``python -m``/``-c`` put the working directory
+    first on the path, so run from a source checkout (where the compiled parts are not built) a
+    stage imported the checkout and ran every frame the slow way. Python's safe-path mode (-P,
+    3.11+) leaves it off; before 3.11 the code drops it itself."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-c", code]
+    return [sys.executable, "-c", "import sys; del sys.path[0]; " + code]
+
+
+def stage_command(*args: str) -> list[str]:
+    """``skippy-stage ARGS`` as a process started here (see :func:`child_python`)."""
+    return [*child_python("import sys; from skippy_stage.cli.commands import main; sys.exit(main())"), *args]
+
+
 def parse_layers(text: str) -> list[tuple[int, int]]:
     ranges = []
     for part in text.split(","):
@@ -168,8 +184,7 @@ class LocalPipeline:
                 stderr = (log_dir / f"{cfg['stage_id']}.log").open("w")
                 self.log_files.append(stderr)
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "skippy_stage", *(["--log-level", log_level] if log_level else []),
-                 "serve", "--config", str(path)],
+                stage_command(*(["--log-level", log_level] if log_level else []), "serve", "--config", str(path)),
                 stdin=subprocess.DEVNULL, stderr=stderr, env=stage_environment(),
             ))
 

@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from skippy_stage.config import CACHE_TYPES
-from skippy_stage.ops.deploy import DEFAULT_FRAME_PORT, DEFAULT_IMAGE, DEFAULT_MODEL_DIR, DEFAULT_PORT, write_plan
+from skippy_stage.ops.deploy import (
+    DEFAULT_FRAME_PORT,
+    DEFAULT_IMAGE,
+    DEFAULT_MODEL_DIR,
+    DEFAULT_PORT,
+    TOKEN_FILE,
+    kubectl_create_secret,
+    write_plan,
+)
 from skippy_stage.ops.plan import DEFAULT_OVERHEAD_MIB, make_plan, parse_nodes
 
 
@@ -26,7 +34,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-type", choices=CACHE_TYPES, default="f16", help="KV cache type for K and V (default f16)")
     p.add_argument("--overhead-mib", type=float, default=DEFAULT_OVERHEAD_MIB,
                    help=f"fixed per-node cost: runtime, compute buffers, Python (default {DEFAULT_OVERHEAD_MIB})")
-    p.add_argument("--out", help="write configs/, compose.yaml and k8s/ here")
+    p.add_argument("--out", help="write configs/, compose.yaml, k8s/ and (unless one is there) the chain's token here")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
                    help=f"where the nodes see the model file (default {DEFAULT_MODEL_DIR}, the volume the files mount)")
     p.add_argument("--run-id", default="skippy")
@@ -50,4 +58,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         written = write_plan(plan, args.out, model_path, run_id=args.run_id, port=args.port,
                              frame_port=args.frame_port, image=args.image, pin_nodes=args.pin_nodes)
         print(f"# wrote {len(written)} files under {args.out}: configs/, compose.yaml, k8s/", file=sys.stderr)
+        token = Path(args.out) / TOKEN_FILE
+        if token in written:
+            print(f"# a new bearer token for the chain in {token} (mode 0600); load it into the cluster with:\n"
+                  f"#   {kubectl_create_secret(token)}", file=sys.stderr)
+        else:
+            print(f"# kept the chain's bearer token already in {token}", file=sys.stderr)
     return 0

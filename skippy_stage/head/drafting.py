@@ -10,8 +10,8 @@ the token emitted is distributed as p with d removed and renormalised, so every 
 is distributed as the target model's p, at any temperature. Greedy runs are exact.
 
 - ``ngram``: prompt lookup, no model: llama-cpp-python's own ``LlamaPromptLookupDecoding`` (the
-  reference the tests hold the pipeline to) with adaptive k off; with it on, the occurrence whose
-  context agrees furthest back (``lookup_by_context``).
+  reference the tests hold the pipeline to) with a fixed k; with adaptive drafting (k "auto"), the
+  occurrence whose context agrees furthest back (``lookup_by_context``).
 - ``model``: a small GGUF at the head with the target's vocabulary, run with llama-cpp-python,
   drafting greedily.
 - native MTP heads are refused by name (see ``MTP_REFUSAL``).
@@ -42,7 +42,7 @@ class SpeculativeRequest:
     """A request's own speculative settings (unset: the head's)."""
 
     drafter: str | None = None
-    k: int | None = None
+    k: int | str | None = None  # a number (fixed drafting) or "auto" (adaptive)
     ngram: int | None = None
     adaptive: bool | None = None
 
@@ -172,7 +172,7 @@ class DraftBudget:
     quote: the next trips should not carry nearly as many rows again); and while the share of
     drafted tokens kept (an average over the last steps) is below ``FLOOR`` it stops drafting,
     drafting one token every ``PROBE_EVERY`` steps to notice when its text turns repetitive.
-    Off: always k."""
+    Off (a fixed k): always k, as llama-cpp-python's draft models are asked."""
 
     k: int
     adaptive: bool

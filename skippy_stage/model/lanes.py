@@ -23,6 +23,15 @@ one llama.cpp call, injected) runs outside it, the lane in no pool meanwhile: ``
 one lane fewer for that moment, and the caller must serialise resets with its decodes (the
 runtime holds its compute lock around both). This module imports neither grpc nor llama_cpp,
 so it is tested directly.
+
+A live session may have an *owner*: the upstream connection it was opened over (``stage.peers``
+says who that is and why). The table only keeps the mark and counts by it: a connection's
+sessions are listed when it closes and freed only while it still owns them
+(:meth:`LaneTable.drop_owned`); a session fed over another connection moves to that one (a
+stand-in's link takes over the sessions a hand-off moved); and an owner with a :class:`Quota`
+(a peer not known to be the chain) opens new sessions only while all the sessions of that quota
+stay within its limit. A session opened by no connection (the head's own, a unary call, an
+import) and a resident prefix have no owner.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from skippy_stage.errors import (
     CapacityError,
@@ -52,6 +62,26 @@ class SessionLane:
     # Batches that fed it (every stage sees the same ones): a count that only grows, where the
     # token count may come back (speculative rewinds).
     batches: int = 0
+    # The connection it was opened (or last fed) over, or None (see the module docstring); the
+    # native frame path compares it with the link a frame came on.
+    owner: SessionOwner | None = None
+
+
+@dataclass(eq=False)
+class Quota:
+    """The most live sessions that the owners sharing this object may hold together."""
+
+    limit: int
+    # Whose limit, for the refusal (e.g. "peers at 10.0.0.7 that are not this stage's upstream").
+    holder: str
+    # The setting that raises it, for the refusal.
+    setting: str = ""
+
+
+class SessionOwner(Protocol):
+    """What opens sessions over a connection (``stage.peers.Peer``): its quota, None for none."""
+
+    quota: Quota | None
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
@@ -211,11 +241,14 @@ class LaneTable:
 
     # -- admission -------------------------------------------------------------------
 
-    def admit(self, admissions: Sequence[Admission]) -> tuple[dict[str, int], list[str]]:
+    def admit(self, admissions: Sequence[Admission], owner: SessionOwner | None = None
+              ) -> tuple[dict[str, int], list[str]]:
         """Bind and check every entry of one batch, or none of them.
 
         Returns the lane of every session and the sessions this call bound anew (the
-        caller releases those with :meth:`release` if the batch then fails).
+        caller releases those with :meth:`release` if the batch then fails). ``owner``: the
+        connection the batch came over, which owns the new sessions and takes over the others
+        (None: the sessions keep whatever owner they have); its quota bounds the new ones.
         """
         names = [a.session_id for a in admissions]
         if len(set(names)) != len(names):
@@ -273,6 +306,14 @@ class LaneTable:
                     f"batch needs {total_new} KV cells but only {self.kv_pool_tokens - used - kept} of "
                     f"kv_pool_tokens={self.kv_pool_tokens} are free"
                 )
+            quota = getattr(owner, "quota", None)
+            if quota is not None and new:
+                held = sum(1 for s in self._sessions.values() if getattr(s.owner, "quota", None) is quota)
+                if held + len(new) > quota.limit:
+                    raise CapacityError(
+                        f"{quota.holder} hold {held} sessions on {self.owner}; {len(new)} more would pass their cap "
+                        f"of {quota.limit}" + (f" ({quota.setting})" if quota.setting else "")
+                    )
             lanes_needed = sum(1 for a in new if a.prefix_id is None)
             if lanes_needed > len(self._idle) + len(self._free) + len(evictable):
                 raise CapacityError(
@@ -302,6 +343,9 @@ class LaneTable:
                     # a prefix's lane still holds its kept tokens: reset it; a fresh one is clean
                     self._place_locked(s.lane, clean=s.n_tokens == 0 or self._try_reset(s.lane))
                 raise
+            if owner is not None:
+                for a in admissions:
+                    self._sessions[a.session_id].owner = owner
             lanes = {a.session_id: self._sessions[a.session_id].lane for a in admissions}
             return lanes, bound_now
 
@@ -329,6 +373,31 @@ class LaneTable:
             raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on this stage")
         return self._reset_and_place(unbound)
 
+    def drop_owned(self, session_id: str, owner: SessionOwner | None) -> DropResult | None:
+        """Free a live session if ``owner`` still owns it (None: if nobody does); None (nothing
+        done) otherwise."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.owner is not owner:
+                return None
+            del self._sessions[session_id]
+        return self._reset_and_place(s)
+
+    def disown(self, session_id: str, owner: SessionOwner) -> bool:
+        """Let a live session go from ``owner`` without ending it (it moved above that connection);
+        whether it was ``owner``'s."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.owner is not owner:
+                return False
+            s.owner = None
+            return True
+
+    def owned_by(self, owner: SessionOwner) -> list[str]:
+        """The live sessions ``owner`` owns."""
+        with self._lock:
+            return [s.session_id for s in self._sessions.values() if s.owner is owner]
+
     def retire(self, session_id: str) -> DropResult:
         """End a session but keep its lane's KV as a resident prefix under its id (or drop it when
         no prefix may be kept). Evicted prefixes are reset outside the lock."""
@@ -341,6 +410,7 @@ class LaneTable:
             else:
                 keep = True
                 s.last_used = time.monotonic()
+                s.owner = None  # a resident prefix is the stage's, whoever opened the session
                 stale = self._resident.pop(session_id, None)  # an id reused after it retired once
                 if stale is not None:
                     self._place_locked(stale.lane, clean=self._try_reset(stale.lane))

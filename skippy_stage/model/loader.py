@@ -184,23 +184,31 @@ def kv_bytes_per_token(info: ModelInfo, layers: range, cache_type_k: str, cache_
     return max(1, int(total))
 
 
-def auto_context_size(n_ctx_train: int, per_token: int, available: int) -> ContextSize:
-    """The model's training context, capped so the KV cache takes at most a share of memory."""
+def auto_context_size(n_ctx_train: int, per_token: int, available: int, *, lanes: int = 1) -> ContextSize:
+    """The KV cells of a context whose ``lanes`` each hold the model's training context, capped
+    so the KV cache takes at most a share of memory (each lane then gets an equal, smaller share).
+
+    ``lanes`` is 1 for a unified pool (every session may use the whole context); separate lanes
+    (``kv_unified: false``) each get ``n_ctx / lanes`` cells, so the context is that many times
+    the training context.
+    """
     want = n_ctx_train if n_ctx_train > 0 else FALLBACK_CTX
     origin = "the model's training context" if n_ctx_train > 0 else "a fallback (the model states no training context)"
     budget = int(available * AUTO_CTX_MEMORY_SHARE)
-    fits = budget // per_token // AUTO_CTX_STEP * AUTO_CTX_STEP
+    fits = budget // per_token // lanes // AUTO_CTX_STEP * AUTO_CTX_STEP  # per lane
+    each = "" if lanes == 1 else f" per lane x {lanes} lanes"
     if fits >= want:
-        return ContextSize(want, f"{origin} ({want} tokens)")
+        return ContextSize(want * lanes, f"{origin} ({want} tokens){each}")
     if fits < AUTO_CTX_STEP:
         raise ConfigError(
-            f"the host has {available >> 20} MiB available; {AUTO_CTX_STEP} tokens of KV cache at "
+            f"the host has {available >> 20} MiB available; {AUTO_CTX_STEP} tokens of KV cache{each} at "
             f"{per_token} bytes each do not fit in {AUTO_CTX_MEMORY_SHARE:.0%} of it: set ctx_size explicitly"
+            + ("" if lanes == 1 else " or lower lane_count")
         )
     return ContextSize(
-        fits,
-        f"{origin} is {want} tokens, capped to {fits} so the KV cache ({fits * per_token >> 20} MiB) stays within "
-        f"{AUTO_CTX_MEMORY_SHARE:.0%} of the {available >> 20} MiB available; set ctx_size to choose",
+        fits * lanes,
+        f"{origin} is {want} tokens, capped to {fits}{each} so the KV cache ({fits * lanes * per_token >> 20} MiB) "
+        f"stays within {AUTO_CTX_MEMORY_SHARE:.0%} of the {available >> 20} MiB available; set ctx_size to choose",
         capped=True,
     )
 
@@ -232,21 +240,25 @@ def _model_defaults(**fields: Any) -> Iterator[None]:
             bindings.llama_model_default_params = original
 
 
-def reference_policy() -> dict[str, Any]:
-    """The loader fields every stage uses by default, for an in-process unsplit model."""
-    return {"use_extra_bufts": StageConfig.__dataclass_fields__["repack"].default}
+def reference_policy(repack: bool | None = None) -> dict[str, Any]:
+    """The loader fields a stage uses (its defaults, or ``repack`` as given), for an in-process
+    unsplit model."""
+    return {"use_extra_bufts": StageConfig.__dataclass_fields__["repack"].default if repack is None else repack}
 
 
-def reference_llama(model_path: str, **kwargs: Any) -> llama_cpp.Llama:
-    """``llama_cpp.Llama(model_path, **kwargs)`` loaded the way stages load (repack off).
+def reference_llama(model_path: str, *, repack: bool | None = None, **kwargs: Any) -> llama_cpp.Llama:
+    """``llama_cpp.Llama(model_path, **kwargs)`` loaded the way stages load (repack off unless
+    ``repack`` says otherwise: ``True`` is stock llama-cpp-python's loading on a CPU without AMX).
 
     The equivalence tests and the benchmark compare against this: on an AMX host the stock
-    defaults crash, and elsewhere they would run other kernels than the stages do. Where
-    llama.cpp lacks OpenMP it decodes on a thread pool of its own, as stages do (``threadpool``).
+    defaults crash (``repack=True`` is refused there as a stage refuses it), and elsewhere they
+    would run other kernels than the stages do. Where llama.cpp lacks OpenMP it decodes on a
+    thread pool of its own, as stages do (``threadpool``).
     """
     from llama_cpp import Llama
 
-    policy = reference_policy()
+    policy = reference_policy(repack)
+    check_repack(policy["use_extra_bufts"], host_facts.host_info(), who="the reference model")
     with _model_defaults(**policy):
         llm = Llama(model_path=str(model_path), **kwargs)
     for name, value in policy.items():

@@ -1,10 +1,10 @@
 """``skippy-stage check`` and ``skippy-stage info``: what a stage would do here, without serving.
 
-``check`` runs every check ``serve`` makes before it loads weights (the config itself, the
-GGUF's header against the layer range, the loader policy against this host) and prints the
-effective config with every default filled in, the context size included. ``info`` prints
-what a bug report needs: versions, llama.cpp's view of the CPU, devices and the loader
-policy that applies on this host.
+``check`` runs every check ``serve`` makes before it loads weights (the config itself, its
+exposure and credential files, the GGUF's header against the layer range, the loader policy
+against this host) and prints the effective config with every default filled in, the context
+size included. ``info`` prints what a bug report needs: versions, llama.cpp's view of the CPU,
+devices and the loader policy that applies on this host.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from skippy_stage.config import StageConfig, load_config
 from skippy_stage.model import host as host_facts
 from skippy_stage.model import loader
 from skippy_stage.model.capture import native_library_path
+from skippy_stage.security import Credentials, check_exposure
 
 # CPU flags worth a line in a bug report: they decide which kernels llama.cpp runs.
 NOTABLE_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -32,6 +33,8 @@ def effective_config(path: str | Path) -> tuple[StageConfig, str]:
     from skippy_stage.model.stage_file import check_against_model, resolve_context_size
 
     cfg = load_config(path)
+    check_exposure(cfg)  # protected mode: reachable with neither token nor TLS
+    Credentials.from_config(cfg)  # the token and TLS files are there, readable and not empty
     info = check_against_model(cfg)
     loader.model_params(cfg)  # the host policy: repack on AMX, selected_device
     sliced = cfg.load_mode == "artifact-slice"

@@ -47,7 +47,7 @@ from skippy_stage.errors import (
 )
 from skippy_stage.model import llama_ffi, loader, threadpool
 from skippy_stage.model.capture import Capture, LayerTap, NativeCapture, make_capture
-from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable
+from skippy_stage.model.lanes import Admission, DropResult, LaneStats, LaneTable, SessionOwner
 from skippy_stage.model.sampling import SamplerChain, SamplingParams, validated_once
 from skippy_stage.model.slicing import MANIFEST_SUFFIX, read_model_info
 from skippy_stage.model.stage_file import resolve_context_size, resolve_stage_file
@@ -482,11 +482,12 @@ class StageRuntime:
 
     # -- running ---------------------------------------------------------------------
 
-    def run_batch(self, entries: Sequence[BatchEntry]) -> list[EntryResult]:
+    def run_batch(self, entries: Sequence[BatchEntry], owner: SessionOwner | None = None) -> list[EntryResult]:
         """Run one llama_decode over every entry; results come back in entry order.
 
         Raises InvalidRequestError / UnknownSessionError / SessionStateError /
         CapacityError before touching llama.cpp; the runtime stays usable after any of them.
+        ``owner``: the connection the entries came over (``LaneTable.admit``).
         """
         tracing.mark("rb0")
         checked = self._check(entries)
@@ -497,7 +498,7 @@ class StageRuntime:
             for _, c in rewinds:
                 self._rewind(c.entry.session_id, int(c.positions[0]))
             lanes, new = self.lanes.admit([Admission(c.entry.session_id, int(c.positions[0]), c.n, c.entry.prefix_id,
-                                                     c.entry.fork_of) for c in checked])
+                                                     c.entry.fork_of) for c in checked], owner)
             for c in checked:
                 if c.entry.prefix_id is not None and c.entry.session_id in new:
                     kept = self._resident_history.pop(c.entry.prefix_id, [])
@@ -891,6 +892,22 @@ class StageRuntime:
         self.log.info("session dropped", session_id=session_id, lane=result.lane, tokens=result.n_tokens,
                       reset_ms=round(result.reset_seconds * 1e3, 3), discarded=result.discarded)
         return result
+
+    def drop_owned(self, session_ids: Sequence[str], owner: SessionOwner | None) -> list[str]:
+        """Free those of ``session_ids`` that ``owner`` still owns (its connection closed); the
+        ones freed."""
+        freed = []
+        with self._compute:
+            if getattr(self, "_ctx", None) is None:
+                return freed  # closed: nothing is held any more
+            for session_id in session_ids:
+                result = self.lanes.drop_owned(session_id, owner)
+                if result is not None:
+                    self._forget(session_id)
+                    freed.append(session_id)
+        if freed:
+            self.log.info("sessions of a closed connection freed", sessions=len(freed), session_ids=freed[:16])
+        return freed
 
     def _forget(self, session_id: str) -> None:
         state = self._samplers.pop(session_id, None)

@@ -1,10 +1,18 @@
 """The files that deploy a plan: one StageConfig JSON per node, a Compose project and
-Kubernetes manifests, all wired as one chain."""
+Kubernetes manifests, all wired as one chain.
+
+Every stage binds an address other hosts reach, so every stage carries the chain's bearer token
+(``auth_token_path``; without it ``check_exposure`` refuses to start the stage). The token is one
+file: ``token`` beside the plan's files, a Compose secret, a Kubernetes Secret, mounted in every
+container at the same path, so the configs, the ConfigMaps and the Compose project agree.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +53,15 @@ STOP_GRACE_S = 30
 CONTAINER_UID = 10001
 
 
+# The chain's bearer token: the file ``write_plan`` creates, the Compose secret and the Kubernetes
+# Secret (key ``token``) that hold it, and where every stage reads it. Kubernetes mounts the one
+# file there (subPath), never a volume over /run/secrets, which would hide the service-account token.
+TOKEN_FILE = "token"
+TOKEN_SECRET = "skippy-token"
+TOKEN_KEY = "token"
+CONTAINER_TOKEN_PATH = f"/run/secrets/{TOKEN_SECRET}"
+
+
 _UNQUANTISED = ("f32", "f16", "bf16")
 
 
@@ -73,7 +90,8 @@ def stage_configs(
     """One StageConfig dict per stage, chained upstream to downstream at ``<node>:<port>``.
 
     Every stage's frame listener is fixed at ``frame_port`` (peers find it through GetStatus;
-    a Kubernetes Service forwards only the ports it declares).
+    a Kubernetes Service forwards only the ports it declares). Every stage listens on all
+    interfaces, so every stage reads the chain's token from ``CONTAINER_TOKEN_PATH``.
     """
     flash = "disabled" if plan.cache_type in _UNQUANTISED else "enabled"  # llama.cpp: quantised V needs it
     stages = plan.stages
@@ -90,6 +108,7 @@ def stage_configs(
             "layer_start": stage.layer_start,
             "layer_end": stage.layer_end,
             "bind_addr": f"0.0.0.0:{port}",
+            "auth_token_path": CONTAINER_TOKEN_PATH,
             "frame_port": frame_port,
             "ctx_size": plan.kv_cells,
             "lane_count": plan.lanes,
@@ -134,10 +153,13 @@ def health_probe(port: int = DEFAULT_PORT) -> str:
 
 
 def compose_document(configs: list[dict[str, Any]], *, image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT,
-                     config_dir: str = "./configs", models_dir: str = "./models") -> dict[str, Any]:
-    """A Compose project with one service per stage, started downstream-first."""
+                     config_dir: str = "./configs", models_dir: str = "./models",
+                     token_file: str = f"./{TOKEN_FILE}") -> dict[str, Any]:
+    """A Compose project with one service per stage, started downstream-first; ``token_file`` is
+    the secret mounted where each stage's ``auth_token_path`` says."""
     services: dict[str, Any] = {}
     volumes: dict[str, Any] = {}
+    token_used = False
     for i, cfg in enumerate(configs):
         name = cfg["stage_id"]
         service: dict[str, Any] = {
@@ -162,13 +184,19 @@ def compose_document(configs: list[dict[str, Any]], *, image: str = DEFAULT_IMAG
             # and are bound one to a core
             "environment": shared_host_openmp({}),
         }
+        if cfg.get("auth_token_path"):
+            service["secrets"] = [{"source": TOKEN_SECRET, "target": cfg["auth_token_path"]}]
+            token_used = True
         if i == 0:
             service["ports"] = [f"{port}:{port}"]  # the head is where clients connect
         if "downstream" in cfg:
             service["depends_on"] = {cfg["downstream"]["stage_id"]: {"condition": "service_healthy"}}
         services[name] = service
         volumes[f"{name}-cache"] = {}
-    return {"services": services, "volumes": volumes}
+    document: dict[str, Any] = {"services": services, "volumes": volumes}
+    if token_used:
+        document["secrets"] = {TOKEN_SECRET: {"file": token_file}}
+    return document
 
 
 def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT,
@@ -176,7 +204,11 @@ def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int 
                   memory_request_bytes: int | None = None, memory_limit_bytes: int | None = None,
                   node_selector: dict[str, str] | None = None, models_host_path: str = DEFAULT_MODEL_DIR,
                   ) -> list[dict[str, Any]]:
-    """ConfigMap, Deployment and Service for one stage; both declare ``frame_port`` as ``frames``."""
+    """ConfigMap, Deployment and Service for one stage; both declare ``frame_port`` as ``frames``.
+
+    A stage with ``auth_token_path`` reads it from Secret ``TOKEN_SECRET`` (key ``TOKEN_KEY``),
+    mounted as that one file; the gRPC probes need no token (Health is exempt).
+    """
     name, run_id = cfg["stage_id"], cfg["run_id"]
     labels = {
         "app.kubernetes.io/name": "skippy-stage",
@@ -235,6 +267,15 @@ def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int 
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    token_path = cfg.get("auth_token_path")
+    if token_path:
+        container["volumeMounts"].append({"name": "token", "mountPath": token_path, "subPath": TOKEN_KEY,
+                                          "readOnly": True})
+        pod_spec["volumes"].append({"name": "token", "secret": {
+            "secretName": TOKEN_SECRET,
+            "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+            "defaultMode": 0o440,  # the pod's group (fsGroup) reads it
+        }})
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     service_ports = [
@@ -270,6 +311,23 @@ def k8s_documents(cfg: dict[str, Any], *, image: str = DEFAULT_IMAGE, port: int 
     ]
 
 
+def write_token(path: Path) -> bool:
+    """Create ``path`` holding a fresh random bearer token, readable by its owner only, unless it
+    exists (stages already started hold that one). Returns whether it was created."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return True
+
+
+def kubectl_create_secret(token_path: str | Path) -> str:
+    """The command that loads the token file into the cluster as the Secret the Deployments mount."""
+    return f"kubectl create secret generic {TOKEN_SECRET} --from-file={TOKEN_KEY}={token_path}"
+
+
 def write_plan(
     plan: Plan,
     out_dir: str | Path,
@@ -282,11 +340,12 @@ def write_plan(
     image: str = DEFAULT_IMAGE,
     pin_nodes: bool = False,
 ) -> list[Path]:
-    """Write ``configs/<node>.json``, ``compose.yaml`` and ``k8s/<node>.yaml`` under ``out_dir``.
+    """Write ``configs/<node>.json``, ``compose.yaml``, ``k8s/<node>.yaml`` and, unless one is
+    there already, the chain's ``token`` (mode 0600) under ``out_dir``.
 
     ``model_path`` is the model as the nodes see it (``/models/...`` in the containers).
     ``pin_nodes`` adds a ``kubernetes.io/hostname`` nodeSelector, for node names that are
-    the cluster's node names. Returns the files written.
+    the cluster's node names. Returns the files written (``token`` only when created).
     """
     if not _LABEL_VALUE.match(run_id):
         raise PlanError(f"run_id {run_id!r} must be a Kubernetes label value (letters, digits, '-', '_', '.')")
@@ -298,6 +357,9 @@ def write_plan(
     configs = stage_configs(plan, model_path, run_id=run_id, port=port, frame_port=frame_port,
                             metrics_port=metrics_port)
     written: list[Path] = []
+    token = out / TOKEN_FILE
+    if write_token(token):
+        written.append(token)
     header = (f"# Written by `skippy-stage plan` for {plan.model.path.name}: "
               f"{', '.join(f'{s.node}={s.layer_start}:{s.layer_end}' for s in plan.stages)}.\n")
     for cfg in configs:
@@ -309,6 +371,9 @@ def write_plan(
         header
         + "# Every stage on this one Docker host (a trial of the split; the k8s/ files place one stage per\n"
         + "# GPU node). Put the model under ./models (or set SKIPPY_MODELS) and run: docker compose up\n"
+        + f"# Every stage reads the chain's bearer token from {token} (secret {TOKEN_SECRET}). Compose mounts the\n"
+        + f"# file as it is, so let the image's user read it: setfacl -m u:{CONTAINER_UID}:r {token}\n"
+        + f"# Clients pass it too: skippy-stage generate --endpoint 127.0.0.1:{port} --token-file {token} ...\n"
         + _yaml(compose_document(configs, image=image, port=port, models_dir="${SKIPPY_MODELS:-./models}"))
     )
     written.append(compose)
@@ -319,6 +384,9 @@ def write_plan(
             node_selector={"kubernetes.io/hostname": stage.node} if pin_nodes else None,
         )
         path = out / "k8s" / f"{stage.node}.yaml"
-        path.write_text(header + _yaml(*docs))
+        path.write_text(header
+                        + f"# The stage reads the chain's bearer token from Secret {TOKEN_SECRET}; create it once:\n"
+                        + f"#   {kubectl_create_secret(token)}\n"
+                        + _yaml(*docs))
         written.append(path)
     return written

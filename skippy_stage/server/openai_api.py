@@ -233,7 +233,8 @@ def _stop(value: object) -> tuple[str, ...]:
 
 def _speculative(value: object) -> SpeculativeRequest | None:
     """This server's extension: ``speculative: {drafter, k, ngram, adaptive}`` (the head's settings
-    for whatever is left out); checked against them when the generation starts."""
+    for whatever is left out); checked against them when the generation starts. ``k`` a number is
+    fixed drafting (llama-cpp-python's ``num_pred_tokens``), ``"auto"`` adaptive drafting."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -247,13 +248,14 @@ def _speculative(value: object) -> SpeculativeRequest | None:
     adaptive = value.get("adaptive")
     if adaptive is not None and not isinstance(adaptive, bool):
         raise InvalidFieldError("speculative", f"speculative.adaptive must be a boolean, got {_json_kind(adaptive)}")
-    numbers = {}
-    for name in ("k", "ngram"):
-        try:
-            numbers[name] = _int_field(value, name, low=1)
-        except InvalidFieldError as exc:
-            raise InvalidFieldError("speculative", f"speculative.{exc}") from None
-    return SpeculativeRequest(drafter=drafter, adaptive=adaptive, **numbers)
+    k = value.get("k")
+    try:
+        if k != "auto":  # a number: fixed drafting
+            k = _int_field(value, "k", low=1)
+        ngram = _int_field(value, "ngram", low=1)
+    except InvalidFieldError as exc:
+        raise InvalidFieldError("speculative", f"speculative.{exc}") from None
+    return SpeculativeRequest(drafter=drafter, k=k, ngram=ngram, adaptive=adaptive)
 
 
 # llama-cpp-python's converter writes one grammar item (a nested group) per unit of these

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from skippy_stage import tracing
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, DownstreamError
-from skippy_stage.security import BearerTokenInterceptor, Credentials
+from skippy_stage.security import BearerTokenInterceptor, Credentials, check_exposure
 from skippy_stage.server.monitor import DownstreamMonitor
 from skippy_stage.server.service import StageServicer
 from skippy_stage.server.wake_latency import WakeLatencyRequest
@@ -53,6 +53,7 @@ class StageServer:
     """A stage's gRPC server with health, reflection and the downstream health monitor."""
 
     def __init__(self, config: StageConfig) -> None:
+        check_exposure(config)  # before anything listens
         self.config = config
         self.wake_latency: WakeLatencyRequest | None = None
         self.stage = Stage(config, max_message_bytes=config.max_message_bytes)

@@ -26,7 +26,8 @@ from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, 
 from skippy_stage.model.runtime import MAX_TOP_LOGPROBS
 from skippy_stage.stage import codec
 from skippy_stage.stage.downstream import FAILED_STAGE_KEY
-from skippy_stage.stage.stage import Stage
+from skippy_stage.stage.peers import STAGE_ID_METADATA
+from skippy_stage.stage.stage import Stage, error_reply
 from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import PHASE_DECODE, Reply, Step, StepEntry, check_sampling
 from skippy_stage.v1 import stage_pb2 as pb
@@ -127,7 +128,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
         that reads them; the response stream is this edge's back channel (errors, relayed
         outputs), fed from whichever thread has one to send. Once the caller stops sending,
         the stream stays open until every frame that asked for its outputs (``relay``) has
-        had its reply, or its deadline passed."""
+        had its reply, or its deadline passed.
+
+        The stream is a peer (``stage.peers``): the sessions its frames opened are freed here and
+        below once the caller stops sending (or goes away); the caller names itself in the
+        ``skippy-stage-id-bin`` metadata."""
         replies: queue.SimpleQueue = queue.SimpleQueue()
         done = object()
         lock = threading.Lock()
@@ -141,9 +146,24 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 if awaited[reply.hop_id] > 0:
                     awaited[reply.hop_id] -= 1
 
+        name = next((value for key, value in context.invocation_metadata() or () if key == STAGE_ID_METADATA), b"")
+        peer = self.stage.peers.connect(name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+                                        context.peer() or "", sink)
+
         def read() -> None:
             try:
                 for hop in request_iterator:
+                    try:
+                        drops = codec.released_from_pb(hop)
+                    except InvalidRequestError as exc:
+                        self.stage.metrics.requests(rpc="Frame", code="INVALID_ARGUMENT").inc()
+                        peer(error_reply(exc, return_key="bad-frame", session_ids=[], hop_id=hop.hop_id,
+                                         stage_id=self.stage.config.stage_id))
+                        continue
+                    if drops is not None:
+                        self.stage.release_sessions(drops[0], peer)
+                        self.stage.disown_sessions(drops[1], peer)
+                        continue
                     if hop.relay:
                         with lock:
                             awaited[hop.hop_id] += 1
@@ -151,13 +171,14 @@ class StageServicer(pb_grpc.StageServiceServicer):
                             if 0 < hop.timeout_s < wait:  # NaN and nonsense fall back to the cap
                                 wait = hop.timeout_s
                             last_deadline[0] = max(last_deadline[0], time.monotonic() + wait)
-                    self.stage.accept_frame(codec.frame_from_pb(hop), sink)
+                    self.stage.accept_frame(codec.frame_from_pb(hop), peer)
             except grpc.RpcError:
                 pass  # the upstream went away
             finally:
+                self.stage.peer_closed(peer)
                 replies.put(done)
 
-        self.stage.inbound.add(sink)
+        self.stage.inbound.add(peer)
         threading.Thread(target=read, name="activation-stream", daemon=True).start()
         reading = True
         try:
@@ -181,7 +202,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     continue
                 yield reply
         finally:
-            self.stage.inbound.discard(sink)
+            self.stage.inbound.discard(peer)
 
     def ReturnResults(self, request_iterator, context):  # noqa: N802
         """The final stage's direct returns: each settles the head's step waiting on its key."""

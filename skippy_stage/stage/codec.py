@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
+from skippy_stage.config import MAX_LANES, MAX_SESSION_ID_LEN
+from skippy_stage.errors import InvalidRequestError
 from skippy_stage.model.lanes import LaneRow, LaneStats, ResidentRow
 from skippy_stage.model.runtime import KvPage, KvPageDesc, TokenLogprob
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
@@ -268,6 +270,26 @@ def outputs_to_pb(outputs: Outputs, into: pb.IterationBatchResponse | None = Non
 def frame_from_pb(msg: pb.HopRequest) -> Frame:
     return Frame(step=step_from_pb(msg.request), hop_id=msg.hop_id, timeout_s=msg.timeout_s, relay=msg.relay,
                  sent_unix_ns=msg.sent_unix_ns)
+
+
+def released_from_pb(msg: pb.HopRequest) -> tuple[list[str], list[str]] | None:
+    """The sessions a release message names: (dropped, moved), from ``drop_session_ids`` and
+    ``moved_session_ids``; None for a frame. InvalidRequestError for one that also carries a
+    request, or names more sessions than a stage has lanes or ids no lane could hold."""
+    if not msg.drop_session_ids and not msg.moved_session_ids:
+        return None
+    dropped, moved = list(msg.drop_session_ids), list(msg.moved_session_ids)
+    if msg.HasField("request"):
+        raise InvalidRequestError("a HopRequest with drop_session_ids or moved_session_ids carries no request "
+                                  "(drops travel alone)")
+    for name, ids in (("drop_session_ids", dropped), ("moved_session_ids", moved)):
+        if len(ids) > MAX_LANES:
+            raise InvalidRequestError(f"{name} names {len(ids)} sessions; a stage has at most {MAX_LANES}")
+        for i, session_id in enumerate(ids):
+            if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
+                raise InvalidRequestError(f"{name}[{i}] must be 1..{MAX_SESSION_ID_LEN} characters, "
+                                          f"got {len(session_id)}")
+    return dropped, moved
 
 
 def frame_to_pb(frame: Frame) -> pb.HopRequest:

@@ -22,6 +22,7 @@ from skippy_stage.errors import DownstreamError, SkippyError
 from skippy_stage.model.runtime import KvPage
 from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, hops
+from skippy_stage.stage.peers import STAGE_ID_METADATA
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import Frame, Outputs, Reply
@@ -103,7 +104,9 @@ class DownstreamClient:
                                    stage_id=stage_id, max_message_bytes=max_message_bytes,
                                    connect_timeout_s=connect_timeout_s, on_reply=on_reply, on_broken=on_broken)
         else:
-            self.hop = hops.StreamHop(peer, self._stub, self._metadata, translate=self._translate,
+            # The stream names this stage: the stage below recognises its upstream by it (``peers``).
+            named = (*(self._metadata or ()), (STAGE_ID_METADATA, stage_id.encode()))
+            self.hop = hops.StreamHop(peer, self._stub, named, translate=self._translate,
                                       on_reply=on_reply, on_broken=on_broken)
 
     def timeout_for(self, remaining: float | None) -> float:
@@ -130,6 +133,10 @@ class DownstreamClient:
     def send(self, frame: Frame) -> None:
         """Hand one frame to the hop; DownstreamError when the link cannot be had."""
         self.hop.send(hops.stamp(frame))
+
+    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+        """Drop (or, ``moved``, let go of) sessions this edge opened below, in band (``Hop.release``)."""
+        self.hop.release(session_ids, moved=moved)
 
     def frame_port(self, timeout_s: float) -> int:
         """The downstream's TCP frame listener, as it advertises it (asked on every new link)."""
@@ -259,6 +266,9 @@ class LocalDownstream:
 
     def send(self, frame: Frame) -> None:
         self.hop.send(hops.stamp(frame))
+
+    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+        self.hop.release(session_ids, moved=moved)
 
     def reply_error(self, reply: Reply) -> DownstreamError:
         return reply_error(self.peer, reply)

@@ -50,6 +50,12 @@ class Hop(Protocol):
     def send(self, frame: Frame) -> None:
         """Hand the frame to the transport; DownstreamError (UNAVAILABLE) when the link cannot be had."""
 
+    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+        """Drop sessions this edge opened below, in order with the frames sent before (a
+        ``HopRequest.drop_session_ids``), or with ``moved`` let go of them without ending them
+        (``moved_session_ids``: a stand-in's edge feeds them now); nothing when no link is up (a
+        link's end frees its sessions below by itself). Never raises."""
+
     def close(self) -> None: ...
 
 
@@ -122,6 +128,15 @@ class TcpHop:
             tracing.mark("s1")
         except framing.LinkClosed as exc:
             raise self.broke(link, str(exc)) from None
+
+    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+        link = self._link
+        if link is None:
+            return
+        try:
+            link.send(framing.Kind.HOP_REQUEST, _release(session_ids, moved))
+        except framing.LinkClosed as exc:
+            self._broke(link, str(exc))
 
     def _read(self, link: framing.FrameSocket) -> None:
         detail = "closed by the peer"
@@ -199,6 +214,11 @@ class StreamHop:
     def send(self, frame: Frame) -> None:
         self._open().put(codec.frame_to_pb(frame))
 
+    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.put(_release(session_ids, moved))
+
     def _read(self, call, outbox: queue.SimpleQueue) -> None:
         try:
             for reply in call:
@@ -237,8 +257,16 @@ class LocalHop:
             raise DownstreamError(f"stage {self.peer.stage_id} is not loaded", stage_id=self.peer.stage_id)
         self.target.accept_frame(frame, self._on_reply)
 
+    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+        if not moved:  # frames from here open unowned sessions, which nothing needs to let go of
+            self.target.release_sessions(session_ids, None)
+
     def close(self) -> None:
         self.target.inbound.discard(self._on_reply)
+
+
+def _release(session_ids: list[str], moved: bool) -> pb.HopRequest:
+    return pb.HopRequest(moved_session_ids=session_ids) if moved else pb.HopRequest(drop_session_ids=session_ids)
 
 
 def stamp(frame: Frame) -> Frame:

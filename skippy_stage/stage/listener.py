@@ -9,6 +9,10 @@ It guards what the gRPC listener guards: the same TLS and mutual TLS (Python's `
 the stage's files), the same bearer token (in the hello, compared in constant time), the
 same message size limit, a bounded number of connections, a deadline on the handshake,
 and hostile bytes answered with INVALID_ARGUMENT on the back channel, never a crash.
+
+A frame link is a peer (``peers``): it owns the sessions its frames open, which end with it
+here and, by a drop sent in band, on every stage below; one that is not the chain's own holds
+at most ``peer_session_cap`` of them with the other such links from its host.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import hmac
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -24,6 +29,7 @@ import structlog
 from skippy_stage import tracing
 from skippy_stage.errors import ConfigError, InvalidRequestError
 from skippy_stage.stage import codec, framing, native_frames
+from skippy_stage.stage.peers import Peer
 from skippy_stage.stage.stage import Stage, error_reply
 from skippy_stage.stage.steps import Reply
 from skippy_stage.v1 import stage_pb2 as pb
@@ -33,6 +39,16 @@ log = structlog.get_logger("skippy_stage.listener")
 MAX_CONNECTIONS = 64
 # Frames run together at most (the n_batch budget splits them further).
 MAX_COALESCED = 16
+
+
+def _back_channel(link: framing.FrameSocket) -> Callable[[Reply], None]:
+    """Sends one Reply up ``link``; never raises."""
+    def send(reply: Reply) -> None:
+        try:
+            link.send(framing.Kind.HOP_REPLY, codec.reply_to_pb(reply))
+        except framing.LinkClosed:
+            pass  # the upstream is gone; it fails its own steps
+    return send
 
 
 def _welcome(link: framing.FrameSocket, code: grpc.StatusCode, message: str, stage_id: str) -> None:
@@ -93,7 +109,7 @@ class FrameListener:
                     return
                 self._links.add(link)
             if hello.purpose == pb.FrameHello.PURPOSE_HOP:
-                self._frames(link)
+                self._frames(link, self.stage.peers.connect(hello.stage_id, str(peer[0]), _back_channel(link)))
             else:
                 self._returns(link)
         except (ssl.SSLError, OSError, framing.LinkClosed, InvalidRequestError) as exc:
@@ -135,15 +151,13 @@ class FrameListener:
                       purpose=pb.FrameHello.Purpose.Name(hello.purpose))
         return hello
 
-    def _frames(self, link: framing.FrameSocket) -> None:
-        """Frames from the upstream neighbour, run on this thread in the order they come."""
+    def _frames(self, link: framing.FrameSocket, sink: Peer) -> None:
+        """Frames from the upstream neighbour, run on this thread in the order they come; the
+        sessions they opened are freed here and below once the link ends."""
         stage = self.stage
-
-        def sink(reply: Reply) -> None:
-            try:
-                link.send(framing.Kind.HOP_REPLY, codec.reply_to_pb(reply))
-            except framing.LinkClosed:
-                pass  # the upstream is gone; it fails its own steps
+        if not sink.chain:
+            self.log.info("frame link is not the chain's own: its host's sessions are capped", peer_host=sink.host,
+                          from_stage=sink.name[:256], peer_session_cap=sink.quota.limit)
         stage.inbound.add(sink)
         native = stage.native
         # Where the frame path is compiled, a plain link is read in C too, and its plain frames run
@@ -153,8 +167,9 @@ class FrameListener:
         try:
             while True:
                 frames = []
+                drops = None
                 # Whatever has arrived by the time this thread is free runs as one decode.
-                while not frames or (len(frames) < MAX_COALESCED and reads.readable()):
+                while drops is None and (not frames or (len(frames) < MAX_COALESCED and reads.readable())):
                     try:
                         kind, body = native.serve(reads, sink) if served and not frames else reads.receive()
                         tracing.mark("recv")
@@ -171,18 +186,27 @@ class FrameListener:
                         tracing.mark("done")
                         continue
                     try:
-                        frames.append(codec.frame_from_pb(framing.parse(kind, body, framing.Kind.HOP_REQUEST)))
+                        hop = framing.parse(kind, body, framing.Kind.HOP_REQUEST)
+                        # Sessions let go of above: after the frames before, before those after.
+                        drops = codec.released_from_pb(hop)
+                        if drops is None:
+                            frames.append(codec.frame_from_pb(hop))
                     except InvalidRequestError as exc:
                         stage.metrics.requests(rpc="Frame", code="INVALID_ARGUMENT").inc()
                         sink(error_reply(exc, return_key="bad-frame", session_ids=[], stage_id=stage.config.stage_id))
                         if not frames:
                             continue
                         break
-                tracing.mark("parsed")
-                stage.accept_frames(frames, sink)
-                tracing.mark("done")
+                if frames:
+                    tracing.mark("parsed")
+                    stage.accept_frames(frames, sink)
+                    tracing.mark("done")
+                if drops is not None:
+                    stage.release_sessions(drops[0], sink)
+                    stage.disown_sessions(drops[1], sink)
         finally:
             stage.inbound.discard(sink)
+            stage.peer_closed(sink)
 
     def _returns(self, link: framing.FrameSocket) -> None:
         """The final stage's outputs, straight to the head's waiting steps."""

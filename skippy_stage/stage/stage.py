@@ -10,7 +10,9 @@ Errors travel back up the edges' back channels as HopReplies naming the failed s
 the frame's sessions; every stage on the way frees those sessions and passes the reply
 on, so "a session that fails anywhere is freed on every stage". A link that breaks loses
 every frame in flight through it: the stage above tells everyone above it, and the head
-fails (and recovers) every step it waits for.
+fails (and recovers) every step it waits for. The stage below loses the sessions the broken
+link opened: an upstream connection owns its sessions, and its end frees them here and, in
+band, on every stage below (``peers``).
 
 The stage speaks domain types (``steps``, ``reports``); the servicer (``service``), the TCP
 frame listener (``listener``) and the socket transports are thin shells around it that
@@ -48,6 +50,7 @@ from skippy_stage.stage import native_frames
 from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, HopFuture, LocalDownstream, timeout_for
 from skippy_stage.stage.gate import EdgeGate
 from skippy_stage.stage.hops import TcpHop
+from skippy_stage.stage.peers import Peer, Peers
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.returns import LocalReturn, ReturnBox, StreamReturn, TcpReturn
 from skippy_stage.stage.status import status_for
@@ -184,6 +187,7 @@ class Stage:
         self._state = StageState.LOADING
         self._state_lock = threading.Lock()
         self.credentials = Credentials.from_config(config)
+        self.peers = Peers(config, self.credentials)
         self.metrics = StageMetrics(config.stage_id)
         self.returns = ReturnBox()
         self.inbound = Inbound()
@@ -355,10 +359,11 @@ class Stage:
             tally.received.append((step.frame.descriptor.dtype, len(step.frame.payload)))
         return entries
 
-    def _compute(self, entries, tally: Tally):
-        """One llama_decode over ``entries`` (of one batch, or of several frames coalesced)."""
+    def _compute(self, entries, tally: Tally, owner: Peer | None = None):
+        """One llama_decode over ``entries`` (of one batch, or of several frames coalesced);
+        ``owner``: the upstream connection they came over (it owns the sessions they open)."""
         started = time.perf_counter()
-        results = self.require_runtime().run_batch(entries)
+        results = self.require_runtime().run_batch(entries, owner)
         tally.computes.append((time.perf_counter() - started, len(entries), sum(len(e.positions) for e in entries),
                                [int(e.positions[0]) for e in entries if e.fork_of is not None]))
         return results
@@ -447,7 +452,7 @@ class Stage:
                 continue
             self.metrics.coalesced_frames.inc(len(group))
             try:
-                results = self._compute([e for _, entries in group for e in entries], tally)
+                results = self._compute([e for _, entries in group for e in entries], tally, _owner(sink))
             except SkippyError:
                 for frame, entries in group:
                     self._finish(frame, entries, sink, tally)
@@ -465,7 +470,7 @@ class Stage:
     def _finish(self, frame: Frame, entries, sink: Sink, tally: Tally) -> None:
         """Run one checked frame alone and pass it on (errors go up ``sink``)."""
         try:
-            results = self._compute(entries, tally)
+            results = self._compute(entries, tally, _owner(sink))
         except SkippyError as exc:
             self.refuse_frame(frame, exc, sink)
             return
@@ -774,6 +779,34 @@ class Stage:
                 f"max_message_bytes={self.max_message_bytes}"
             )
 
+    def peer_closed(self, peer: Peer) -> None:
+        """An upstream connection ended: free the sessions it still owns, here and below."""
+        runtime = self.runtime
+        if runtime is not None:
+            self.release_sessions(runtime.lanes.owned_by(peer), peer)
+
+    def release_sessions(self, session_ids: list[str], owner: Peer | None) -> None:
+        """Free those of ``session_ids`` that ``owner``'s connection owns here, and send their drop
+        down this stage's edge in order with the frames already sent on it (``LocalHop``'s sessions
+        have no owner: ``owner`` None frees the unowned ones). Never raises."""
+        runtime = self.runtime
+        if runtime is None or not session_ids or self._state is StageState.STOPPED:
+            return
+        with self.gate.passing():  # a hand-off must not move a session this frees below
+            freed = runtime.drop_owned(session_ids, owner)
+            downstream = self.downstream
+            if freed and downstream is not None:
+                downstream.release(freed)
+
+    def disown_sessions(self, session_ids: list[str], owner: Peer | None) -> None:
+        """The stage above let these sessions go to a stand-in: they stay bound here, no longer
+        ``owner``'s, so its connection's end does not free them (the stand-in's feeds them)."""
+        runtime = self.runtime
+        if runtime is None or owner is None:
+            return
+        for session_id in session_ids:
+            runtime.lanes.disown(session_id, owner)
+
     def free_sessions(self, session_ids: list[str]) -> None:
         """Free sessions on this stage only (after a failure), ignoring unknown ones."""
         if self.runtime is None:
@@ -871,6 +904,12 @@ class Stage:
                 self._count_moved(-1)
             raise
         self.metrics.sessions_moved.labels("exported").inc()
+        downstream = self.downstream
+        if release and downstream is not None:
+            # The stages below keep it for the stand-in: once this stage's last frame of it has left
+            # (nothing new comes in: the upstream's gate is closed), the edge below lets it go.
+            self.gate.wait_idle(min(1.0, timeout_for(remaining_s, self.timeouts.hop_s)))
+            downstream.release([session_id], moved=True)
         return page
 
     def _count_moved(self, change: int) -> None:
@@ -900,6 +939,11 @@ class Stage:
             n_embd=runtime.n_embd if runtime is not None else 0,
             lanes=runtime.stats() if runtime is not None else None,
         )
+
+
+def _owner(sink: Sink) -> Peer | None:
+    """The upstream connection a back channel belongs to (None: an in-process edge)."""
+    return sink if isinstance(sink, Peer) else None
 
 
 def _check_session_id(session_id: str) -> None:

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from skippy_stage.model import host
+
 
 def test_bench_writes_the_report_with_every_key(tmp_path):
     out = tmp_path / "bench.json"
@@ -92,3 +94,19 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     assert set(report["chat_ttft_s"]) == {"with_prefix_cache", "without_prefix_cache"}
     assert all(len(v) == 4 and all(t > 0 for t in v) for v in report["chat_ttft_s"].values())
     assert "chat turn 4 TTFT" in run.stdout
+    # Weight repacking on vs off (Gemma-3-270M on 2 stages), each against the unsplit model loaded the
+    # same way; on an AMX CPU, where repack=true is refused, the reason instead.
+    repack = report["repack"]
+    if host.host_info().amx:
+        assert "AMX" in repack["skipped"] and "repack on vs off: skipped" in run.stdout
+    else:
+        for way, stages_repack in (("off", False), ("on", True)):
+            assert repack[way].pop("stages_repack") is stages_repack
+            assert set(repack[way]) == {"single_process_ms_per_token", "pipeline_ms_per_token", "decode_ratio",
+                                        "single_process_prefill_tokens_per_s", "pipeline_prefill_tokens_per_s",
+                                        "prefill_ratio"}
+            assert all(v > 0 for v in repack[way].values())
+        assert set(repack["on_vs_off"]) == {"single_process_decode", "pipeline_decode", "single_process_prefill",
+                                            "pipeline_prefill"}
+        assert all(v > 0 for v in repack["on_vs_off"].values())
+        assert "decode ms/token, repack on, 2 stages" in run.stdout and "repack on vs off (" in run.stdout

@@ -1,9 +1,16 @@
-"""Defaults that serve a real prompt: ``skippy-stage up`` with no sizing flags.
+"""Defaults that serve a real prompt: ``skippy-stage up`` with no flags but the HTTP port, started
+the way a user starts it (the console script, from a directory of their own).
 
-A new user's first long prompt must not meet a limit the unsplit model does not have. With
-the defaults (context from the model, one KV pool shared by the lanes) a 1,500-token prompt
-through three stages gives exactly what ``Llama(n_ctx=2048)`` gives for the unsplit model,
-and a prompt longer than the context is refused naming the setting that raises the limit.
+A new user's first long prompt must not meet a limit the unsplit model does not have, a chat's
+next turn must reuse the previous one's KV, and no text may depend on how many other clients
+there are. With the defaults (separate lanes, each holding the model's training context, with
+resident prefixes) a 1,500-token prompt through three stages gives exactly what
+``Llama(n_ctx=2048)`` gives for the unsplit model, a 4-turn chat reuses every turn and equals one
+``Llama`` fed the same turns, 32 concurrent greedy clients all get the unsplit model's text, and a
+prompt longer than the context is refused naming the setting that raises the limit.
+
+``up`` runs in a directory holding a ``skippy_stage/`` that fails on import: the stages it starts
+must import the installed package (with its compiled parts), never the current directory.
 """
 
 from __future__ import annotations
@@ -13,10 +20,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import openai
 import pytest
+from support.chat import TURNS, chat, reference_chat
 
 from skippy_stage.cli.client import generate
+from skippy_stage.cli.local import free_ports
 from skippy_stage.errors import SkippyError
 from skippy_stage.model.loader import reference_llama
 
@@ -24,6 +37,13 @@ MAX_TOKENS = 24
 PARAGRAPH = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. Over centuries, "
              "towers of stone replaced the fires, and lenses replaced the open flame; keepers trimmed wicks, wound "
              "clockwork and logged every passing sail. ")
+# Eight prompts no other test uses, each sent by four clients at once.
+PROMPTS = ["A recipe for pancakes starts with", "The three primary colours are", "Dear hiring manager, I am writing",
+           "In 1969 the first people to walk on the Moon", "def fibonacci(n):", "The rain in Spain",
+           "Photosynthesis is the process by which", "Once upon a time, in a village by the sea,"]
+CONCURRENT_TOKENS = 16
+SCRIPT = Path(sys.executable).parent / "skippy-stage"
+DECOY = 'raise ImportError("a decoy skippy_stage/ in the working directory was imported")\n'
 
 
 def long_prompt(llm, n_tokens: int) -> str:
@@ -34,22 +54,48 @@ def long_prompt(llm, n_tokens: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def up(smollm2, slice_cache):
-    """``skippy-stage up --model M --stages 3`` and nothing else (its slice cache shared with the run)."""
+def user_dir(tmp_path_factory) -> Path:
+    """A working directory with a ``skippy_stage/`` package that fails on import."""
+    here = tmp_path_factory.mktemp("user")
+    (here / "skippy_stage").mkdir()
+    (here / "skippy_stage" / "__init__.py").write_text(DECOY)
+    return here
+
+
+@pytest.fixture(scope="module")
+def up(smollm2, slice_cache, user_dir):
+    """``skippy-stage up --model M --stages 3 --http-port P`` and nothing else (its slice cache
+    shared with the run), from ``user_dir``; yields (endpoint, http port, its stderr file)."""
+    assert SCRIPT.exists(), f"the console script is not installed beside {sys.executable}"
     env = {**os.environ, "SKIPPY_STAGE_CACHE": str(slice_cache)}
-    proc = subprocess.Popen([sys.executable, "-m", "skippy_stage", "--log-level", "warning", "up", "--model",
-                             str(smollm2), "--stages", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    env.pop("PYTHONPATH", None)
+    http = free_ports("127.0.0.1", 1)[0]
+    log = user_dir / "up.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([str(SCRIPT), "--log-level", "warning", "up", "--model", str(smollm2), "--stages", "3",
+                                 "--http-port", str(http)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=user_dir)
     try:
         endpoint = proc.stdout.readline().strip()
-        assert endpoint, f"up exited with {proc.wait()} before printing the head endpoint"
-        yield endpoint
+        assert endpoint, f"up exited with {proc.wait()} before printing the head endpoint: {log.read_text()}"
+        yield endpoint, http, log
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_up_beside_a_decoy_package_runs_the_installed_one_and_says_its_native_paths_are_loaded(up, user_dir):
+    _, _, log = up
+    first = log.read_text().splitlines()[0]
+    assert first.startswith("# native capture and frame path loaded"), first
+    assert "decoy" not in log.read_text()
+
+    info = subprocess.run([str(SCRIPT), "info"], capture_output=True, text=True, cwd=user_dir, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert "native            native capture and frame path loaded" in info.stdout
 
 
 def test_a_1500_token_prompt_through_up_with_default_flags_gives_exactly_the_reference_text(smollm2, up):
@@ -63,7 +109,7 @@ def test_a_1500_token_prompt_through_up_with_default_flags_gives_exactly_the_ref
     assert 1500 <= n_prompt < 2048 - MAX_TOKENS
 
     out = io.StringIO()
-    figures = generate(up, prompt, max_tokens=MAX_TOKENS, temperature=0.0, seed=None, chat=False, out=out)
+    figures = generate(up[0], prompt, max_tokens=MAX_TOKENS, temperature=0.0, seed=None, chat=False, out=out)
 
     assert figures["completion_tokens"] == MAX_TOKENS
     assert out.getvalue() == expected
@@ -77,8 +123,42 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_the_setting(smollm2,
         llm.close()
 
     with pytest.raises(SkippyError) as info:
-        generate(up, prompt, max_tokens=8, temperature=0.0, seed=None, chat=False, out=io.StringIO())
+        generate(up[0], prompt, max_tokens=8, temperature=0.0, seed=None, chat=False, out=io.StringIO())
 
     message = str(info.value)
     assert "INVALID_ARGUMENT" in message and "a session holds at most 8192" in message
     assert "raise ctx_size" in message
+
+
+def test_a_four_turn_chat_with_default_flags_reuses_every_turn_and_equals_one_llama(smollm2, up):
+    _, http, _ = up
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    answers, cached = chat(client, smollm2.name, TURNS)
+
+    print("cached tokens per turn:", cached)
+    assert answers == reference_chat(smollm2, TURNS)
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+
+
+def test_32_concurrent_greedy_clients_with_default_flags_all_get_the_unsplit_models_text(smollm2, up):
+    _, http, _ = up
+    llm = reference_llama(smollm2, n_ctx=2048, verbose=False)
+    try:
+        expected = {p: llm.create_completion(p, max_tokens=CONCURRENT_TOKENS, temperature=0)["choices"][0]["text"]
+                    for p in PROMPTS}
+    finally:
+        llm.close()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def one(prompt: str) -> str:
+        return client.completions.create(model=smollm2.name, prompt=prompt, max_tokens=CONCURRENT_TOKENS,
+                                         temperature=0).choices[0].text
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(32) as pool:
+        prompts = PROMPTS * 4
+        texts = list(pool.map(one, prompts))
+    exact = sum(text == expected[p] for p, text in zip(prompts, texts))
+    print(f"32 concurrent clients: {exact}/32 exact in {time.perf_counter() - started:.1f}s")
+    assert exact == 32, [(p, t, expected[p]) for p, t in zip(prompts, texts) if t != expected[p]]

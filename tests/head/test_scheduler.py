@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import types
 import zlib
 from collections.abc import Callable
 
@@ -270,18 +271,50 @@ def deliveries(task: Task) -> tuple[list[list[int]], End | Failed]:
         handed.append(list(event.items) if isinstance(event, Tokens) else [event])
 
 
-def test_a_stream_interval_hands_tokens_over_together_the_first_alone_and_all_before_the_end(make_scheduler):
+class StepClock:
+    """The scheduler's clock, moved by steps only (``ClockedChain``): what falls within a stream
+    interval then depends on the steps taken, not on this machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()  # tasks stamp their enqueue time from the real clock
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+class ClockedChain(FakeChain):
+    """A FakeChain each of whose steps takes ``step_s`` on ``clock``."""
+
+    def __init__(self, clock: StepClock, step_s: float) -> None:
+        super().__init__()
+        self.clock, self.step_s = clock, step_s
+
+    def step(self, request: Step, timeout_s: float) -> Outputs:
+        self.clock.advance(self.step_s)
+        return super().step(request, timeout_s)
+
+
+def test_a_stream_interval_hands_tokens_over_together_the_first_alone_and_all_before_the_end(
+        make_scheduler, monkeypatch):
     """stream_interval_s: tokens within the interval of the task's last delivery wait in the
     scheduler (its handler is not woken for them) and go over together; the end delivers the rest."""
-    chain = FakeChain(delay_s=0.005)
-    scheduler = make_scheduler(chain, stream_interval_s=0.05)
+    clock = StepClock()
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep))
+    scheduler = make_scheduler(ClockedChain(clock, step_s=0.01), stream_interval_s=0.045)
     task = make_task("x", 5, 40)
     scheduler.submit(task)
     handed, end = deliveries(task)
     assert end == End("length")
     assert [t for batch in handed for t in batch] == expected_tokens(task)
-    assert handed[0] == expected_tokens(task, 1)  # the first is not held
-    assert len(handed) < 40 / 3, [len(b) for b in handed]  # ~5 ms a step in 50 ms windows
+    # The first goes at once; then a delivery once 45 ms have passed since the last one: each
+    # fifth step of 10 ms; the end hands over what is left (39 = 7 x 5 + 4).
+    assert [len(batch) for batch in handed] == [1, 5, 5, 5, 5, 5, 5, 5, 4]
 
 
 def test_a_requests_own_stream_interval_overrides_the_heads_either_way(make_scheduler):

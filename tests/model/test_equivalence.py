@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.chain import Chain, split_configs
+from support.chain import EQUIVALENCE_PROMPTS, Chain, split_configs
 
 from skippy_stage.model.loader import reference_llama
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-]
+PROMPTS = EQUIVALENCE_PROMPTS
 N_TOKENS = 32
 SMOLLM2_SPLITS = {
     "0:30": [(0, 30)],

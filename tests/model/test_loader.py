@@ -211,6 +211,19 @@ def test_the_unsplit_reference_loads_as_the_stages_do(smollm2):
     assert llama_cpp.llama_model_default_params().use_extra_bufts is True
 
 
+def test_the_reference_loads_with_repack_on_as_a_repack_stage_does_or_refuses_it_as_one(smollm2):
+    """``repack=True``: stock llama-cpp-python's loading where it runs, refused before loading on AMX."""
+    if host.host_info().amx:
+        with pytest.raises(ConfigError, match="the reference model: repack=true is refused"):
+            loader.reference_llama(smollm2, repack=True, n_ctx=256, verbose=False)
+        return
+    llm = loader.reference_llama(smollm2, repack=True, n_ctx=256, verbose=False)
+    try:
+        assert llm.model_params.use_extra_bufts is True
+    finally:
+        llm.close()
+
+
 # -- context size --------------------------------------------------------------------------
 
 
@@ -230,13 +243,35 @@ def test_unset_ctx_size_refuses_a_host_that_cannot_hold_any_context():
         loader.auto_context_size(8192, per_token=1 << 20, available=100 << 20)
 
 
-def test_a_stage_with_unset_ctx_size_gets_the_training_context(smollm2, tmp_path):
+def test_separate_lanes_each_get_the_training_context_when_memory_allows():
+    size = loader.auto_context_size(8192, per_token=23_040, available=16 << 30, lanes=4)
+    assert size.n_ctx == 4 * 8192 and not size.capped
+    assert "8192 tokens) per lane x 4 lanes" in size.reason
+
+
+def test_separate_lanes_share_a_memory_cap_equally_and_say_so():
+    size = loader.auto_context_size(131_072, per_token=1 << 20, available=8 << 30, lanes=4)  # 1 MiB a token
+    assert size.n_ctx == 4 * 1024 and size.capped  # 4 GiB of KV: 1024 tokens for each lane
+    assert "capped to 1024 per lane x 4 lanes" in size.reason and "ctx_size" in size.reason
+    with pytest.raises(ConfigError, match="lower lane_count"):
+        loader.auto_context_size(8192, per_token=1 << 20, available=1 << 30, lanes=4)
+
+
+def test_a_stage_with_unset_ctx_size_gives_each_lane_the_training_context(smollm2, tmp_path):
     runtime = StageRuntime(stage(smollm2, tmp_path, ctx_size=None, lane_count=4))
     try:
         assert runtime.context_size.reason.startswith("the model's training context")
-        assert runtime.n_ctx == 8192  # SmolLM2's training context
-        assert runtime.cells_per_lane == 8192  # kv_unified: one session may use all of it
-        assert runtime.lanes.kv_pool_tokens == 8192
+        assert runtime.n_ctx == 4 * 8192  # SmolLM2's training context, for each of the 4 lanes
+        assert runtime.cells_per_lane == 8192  # separate lanes: a session holds the training context
+        assert runtime.lanes.kv_pool_tokens == 4 * 8192
+    finally:
+        runtime.close()
+
+
+def test_a_unified_stage_with_unset_ctx_size_shares_one_training_context(smollm2, tmp_path):
+    runtime = StageRuntime(stage(smollm2, tmp_path, ctx_size=None, lane_count=4, kv_unified=True))
+    try:
+        assert runtime.n_ctx == 8192 and runtime.cells_per_lane == 8192  # one session may use all of it
     finally:
         runtime.close()
 

@@ -48,8 +48,8 @@ def test_check_prints_the_effective_config_with_defaults_filled_in(smollm2, tmp_
 
     assert done.returncode == 0, done.stderr
     effective = json.loads(done.stdout)
-    assert effective["ctx_size"] == 8192  # SmolLM2's training context: ctx_size was null
-    assert (effective["n_batch"], effective["kv_unified"], effective["repack"]) == (512, True, False)
+    assert effective["ctx_size"] == 4 * 8192  # SmolLM2's training context for each of 4 lanes: ctx_size was null
+    assert (effective["n_batch"], effective["kv_unified"], effective["repack"]) == (512, False, False)
     assert effective["bind_addr"] == "127.0.0.1:7001"
     assert effective["downstream"]["endpoint"] == "127.0.0.1:7002"
     assert effective["selected_device"] == "CPU"

@@ -4,7 +4,8 @@ Docker and a cluster are not available here, so the files are checked the way th
 would read them: every Kubernetes manifest against the official schemas (strict, offline,
 through ``kubernetes-validate``), every stage config through ``load_config``, the Compose
 file and the chain it wires by parsing, and the health check the image runs against a real
-gRPC health server.
+gRPC health server. Every stage binds 0.0.0.0, so every config must pass the protected-mode check
+``serve`` makes, with the chain's token mounted where the config reads it; no token is committed.
 """
 
 from __future__ import annotations
@@ -29,15 +30,18 @@ from support.deploy import (
     by_kind,
     check_chain,
     check_stage_manifests,
+    check_token_required,
     compose_service_configs,
     load_docs,
     validate_manifest,
 )
 
 from skippy_stage.config import SHARED_HOST_SPINCOUNT, load_config, shared_host_openmp
+from skippy_stage.errors import ConfigError
 from skippy_stage.model.packaged import SMOLLM2_FILE
 from skippy_stage.model.slicing import read_model_info
-from skippy_stage.ops.deploy import health_probe
+from skippy_stage.ops.deploy import CONTAINER_TOKEN_PATH, health_probe
+from skippy_stage.security import check_exposure
 
 
 def test_k8s_has_one_file_per_stage() -> None:
@@ -82,6 +86,24 @@ def test_every_stage_config_under_deploy_loads(path: Path) -> None:
     config = load_config(path)
     assert config.bind_addr == "0.0.0.0:7000"
     assert config.frame_port == 7001, "the port the k8s Services forward as frames"
+    check_token_required(config)
+    assert config.auth_token_path == CONTAINER_TOKEN_PATH, "where Compose, Kubernetes and systemd mount the token"
+
+
+def test_without_its_token_a_deploy_config_would_not_start() -> None:
+    """What the token buys: ``serve`` refuses the same config with no credentials."""
+    config = load_config(CONFIG_FILES[0]).replace(auth_token_path=None)
+    with pytest.raises(ConfigError, match="auth_token_path"):
+        check_exposure(config)
+
+
+def test_no_token_is_committed() -> None:
+    assert "deploy/token" in (ROOT / ".gitignore").read_text().splitlines()
+    tracked = subprocess.run(["git", "ls-files", "deploy"], cwd=ROOT, capture_output=True, text=True, check=False)
+    if tracked.returncode == 0:  # a git checkout
+        assert "deploy/token" not in tracked.stdout.splitlines()
+    for path in (DEPLOY / "compose.yaml", *K8S_FILES, DEPLOY / "systemd" / "skippy-stage@.service"):
+        assert "secrets.token_urlsafe(32)" in path.read_text(), f"{path.name} says how to make the token"
 
 
 def test_deploy_configs_split_smollm2_0_10_20_30(smollm2: Path) -> None:
@@ -106,6 +128,7 @@ def test_compose_runs_a_chained_three_stage_pipeline() -> None:
     assert {s["environment"]["GOMP_SPINCOUNT"] for s in compose["services"].values()} == {SHARED_HOST_SPINCOUNT}
     assert all(s["environment"] == shared_host_openmp({}) for s in compose["services"].values()), \
         "every stage shares the host's cores as a local pipeline's stages do"
+    assert compose["secrets"] == {"skippy-token": {"file": "./token"}}, "deploy/token, made by the operator"
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -203,6 +226,10 @@ def test_systemd_unit_runs_one_stage_per_instance() -> None:
     assert argv[0].endswith("skippy-stage") and argv[1] == "serve"
     assert argv[argv.index("--config") + 1] == "/etc/skippy-stage/%i.json"
     assert unit["User"][0] not in ("root", "0")
+    (bind,) = unit["BindReadOnlyPaths"]
+    source, target = bind.split(":")
+    assert source == "/etc/skippy-stage/token", "the file the operator installs"
+    assert {load_config(p).auth_token_path for p in CONFIG_FILES} == {target}, "mounted where the configs read it"
     assert unit["Restart"] == ["on-failure"]
     assert unit["KillSignal"] == ["SIGTERM"]
     grace = float(argv[argv.index("--grace") + 1]) if "--grace" in argv else 10.0

@@ -10,18 +10,28 @@ import argparse
 import itertools
 import json
 import re
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
 import pytest
 import yaml
-from support.deploy import check_chain, check_stage_manifests, compose_service_configs, load_docs, validate_manifest
+from support.deploy import (
+    check_chain,
+    check_stage_manifests,
+    check_token_required,
+    compose_service_configs,
+    load_docs,
+    validate_manifest,
+)
 
 from skippy_stage.cli.plan import add_plan_parser, cmd_plan
 from skippy_stage.config import load_config
 from skippy_stage.errors import PlanError
 from skippy_stage.model.slicing import stage_file
-from skippy_stage.ops.deploy import DEFAULT_FRAME_PORT, write_plan
+from skippy_stage.ops.deploy import CONTAINER_TOKEN_PATH, DEFAULT_FRAME_PORT, write_plan
 from skippy_stage.ops.footprint import GIB, MIB, ModelFootprint, format_bytes, kv_bytes_per_layer, read_footprint
 from skippy_stage.ops.plan import NodeSpec, parse_nodes, plan_stages
 
@@ -220,11 +230,59 @@ def test_written_configs_load_and_chain(written: tuple[Path, list[Path]]) -> Non
         assert config.flash_attn_type == "enabled", "llama.cpp needs flash attention for a quantised V cache"
         assert config.bind_addr == "0.0.0.0:7000" and config.run_id == "test-run"
         assert config.frame_port == DEFAULT_FRAME_PORT == 7001, "a fixed frame listener a Service can forward"
+        check_token_required(config)
+        assert config.auth_token_path == CONTAINER_TOKEN_PATH
     assert configs[-1].layer_end == N_LAYERS
     assert {p.relative_to(out).as_posix() for p in files} == {
         "configs/gpu-a.json", "configs/gpu-b.json", "configs/gpu-c.json", "compose.yaml",
-        "k8s/gpu-a.yaml", "k8s/gpu-b.yaml", "k8s/gpu-c.yaml",
+        "k8s/gpu-a.yaml", "k8s/gpu-b.yaml", "k8s/gpu-c.yaml", "token",
     }
+
+
+def test_written_token_is_fresh_random_and_private(footprint: ModelFootprint, written: tuple[Path, list[Path]],
+                                                   tmp_path: Path) -> None:
+    out, _ = written
+    token = (out / "token").read_text()
+    assert stat.S_IMODE((out / "token").stat().st_mode) == 0o600
+    assert re.fullmatch(r"[A-Za-z0-9_-]{43}\n", token), "secrets.token_urlsafe(32)"
+    plan = plan_stages(footprint, nodes("a=1,b=1"))
+    files = write_plan(plan, tmp_path, "/models/m.gguf")
+    assert (tmp_path / "token") in files and (tmp_path / "token").read_text() != token, "one token per plan"
+    first = (tmp_path / "token").read_text()
+    again = write_plan(plan, tmp_path, "/models/m.gguf")
+    assert (tmp_path / "token") not in again, "a token the stages already hold is kept"
+    assert (tmp_path / "token").read_text() == first
+
+
+def test_written_compose_mounts_the_written_token(written: tuple[Path, list[Path]]) -> None:
+    out, _ = written
+    compose = yaml.safe_load((out / "compose.yaml").read_text())
+    assert (out / compose["secrets"]["skippy-token"]["file"]).resolve() == (out / "token").resolve()
+    k8s = (out / "k8s" / "gpu-a.yaml").read_text()
+    assert f"kubectl create secret generic skippy-token --from-file=token={out / 'token'}" in k8s
+
+
+def test_a_written_stage_config_passes_check_with_its_token_only(smollm2: Path, written: tuple[Path, list[Path]],
+                                                                 tmp_path: Path) -> None:
+    """``check`` refuses what ``serve`` refuses: the config as written, pointed at this host's files."""
+    out, _ = written
+    config = json.loads((out / "configs" / "gpu-a.json").read_text())
+    config.update(model_path=str(smollm2), cache_dir=str(tmp_path / "cache"), auth_token_path=str(out / "token"))
+
+    def check(changes: dict) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / "stage.json"
+        path.write_text(json.dumps({**config, **changes}))
+        return subprocess.run([sys.executable, "-m", "skippy_stage", "--log-level", "warning", "check", "--config",
+                               str(path)], capture_output=True, text=True, timeout=120)
+
+    done = check({})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["bind_addr"] == "0.0.0.0:7000"
+    refused = check({"auth_token_path": None})
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "auth_token_path" in refused.stderr and "allow_insecure" in refused.stderr
+    missing = check({"auth_token_path": str(tmp_path / "no-token")})
+    assert missing.returncode == 2 and "cannot read auth token" in missing.stderr
 
 
 def test_written_k8s_manifests_validate_and_chain(written: tuple[Path, list[Path]]) -> None:
@@ -277,7 +335,7 @@ def test_plan_command_prints_the_table_and_writes_files(smollm2: Path, tmp_path:
     args = parse(["plan", "--model", str(smollm2), "--nodes", "a=1,b=1,c=1", "--ctx-size", "2048",
                   "--lanes", "2", "--out", str(tmp_path)])
     assert args.func(args) == 0 and args.func is cmd_plan
-    table = capsys.readouterr().out
+    table, said = capsys.readouterr()
     rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
     assert [rows[n][1] for n in ("a", "b", "c", "all")] == ["0:10", "10:20", "20:30", "0:30"]
     assert re.search(r"ctx 2048/lane x 2 lanes, KV cache f16, overhead 512 MiB/node", table)
@@ -285,6 +343,10 @@ def test_plan_command_prints_the_table_and_writes_files(smollm2: Path, tmp_path:
     config = json.loads((tmp_path / "configs" / "a.json").read_text())
     assert config["model_path"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert (tmp_path / "compose.yaml").is_file() and (tmp_path / "k8s" / "c.yaml").is_file()
+    assert f"kubectl create secret generic skippy-token --from-file=token={tmp_path / 'token'}" in said, \
+        "how to load the new token into the cluster"
+    assert args.func(args) == 0
+    assert f"kept the chain's bearer token already in {tmp_path / 'token'}" in capsys.readouterr().err
 
 
 def test_plan_command_frame_port_reaches_configs_and_manifests(smollm2: Path, tmp_path: Path, capsys) -> None:

@@ -23,7 +23,7 @@ def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pi
         assert value(m, "skippy_compute_seconds_count") >= 8
         assert value(m, "skippy_forward_hop_seconds_count") >= 8
         assert value(m, "skippy_activation_bytes_total", direction="sent", codec="f32") >= 8 * 576 * 4
-        assert value(m, "skippy_kv_cells_total") == 2048
+        assert value(m, "skippy_kv_cells_total") == 4 * 2048  # the pipeline fixture's ctx_size: 2048 for each of 4 lanes
         assert value(m, "skippy_lanes_active") == 0
         assert value(m, "skippy_queue_depth") == 0
         below = eventually(lambda: scrape(metrics_ports[1]),

@@ -16,12 +16,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.pipeline import reference_texts
 
 from skippy_stage.security import Credentials
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 TOKEN = "s3cret-token"
+PROMPT, MAX_TOKENS = "The capital of France is", 8
 
 
 def _name(cn: str) -> x509.Name:
@@ -92,7 +94,7 @@ def secure_pipeline(smollm2, start_pipeline, pki):
 
 def generate(channel: grpc.Channel, metadata=None) -> str:
     stub = pb_grpc.StageServiceStub(channel)
-    return "".join(m.text for m in stub.Generate(pb.GenerateRequest(prompt="The capital of France is", max_tokens=8),
+    return "".join(m.text for m in stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=MAX_TOKENS),
                                                  timeout=30, metadata=metadata))
 
 
@@ -100,12 +102,12 @@ def client(files, cert="client_cert", key="client_key", token: str | None = TOKE
     return Credentials(cert=files[cert], key=files[key], ca=files["ca"], token=token)
 
 
-def test_mutual_tls_with_the_token_generates_through_every_hop(secure_pipeline, pki):
+def test_mutual_tls_with_the_token_generates_through_every_hop(secure_pipeline, pki, smollm2):
     files, _ = pki
     creds = client(files)
     with creds.channel(secure_pipeline.head_endpoint, []) as channel:
         text = generate(channel, creds.call_metadata())
-    assert text.startswith(" Paris")  # the same greedy answer as the unsplit model
+    assert text == reference_texts(smollm2, [PROMPT], MAX_TOKENS)[0]  # the unsplit model's greedy answer
     status = pb_grpc.StageServiceStub(creds.channel(secure_pipeline.head_endpoint, [])).GetStatus(
         pb.GetStatusRequest(), timeout=5, metadata=creds.call_metadata())
     assert status.downstream_ok  # the head reached stage-1 over mutual TLS with the token

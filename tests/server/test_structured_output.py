@@ -7,11 +7,13 @@ accepted (llama.cpp aborts the process on one)."""
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import jsonschema
 import openai
 import pytest
+from support.pipeline import StreamingRun, assert_no_active_sessions, reference_texts
 
 from skippy_stage.cli.local import free_ports
 from skippy_stage.v1 import stage_pb2 as pb
@@ -131,23 +133,24 @@ def test_a_schema_whose_bounds_would_make_a_huge_grammar_is_refused_naming_the_f
     assert "properties.s.maxLength=30000" in refused.value.body["message"]
 
 
-def test_a_grammar_with_no_way_forward_ends_only_its_own_session(api):
+def test_a_grammar_with_no_way_forward_ends_only_its_own_session(api, smollm2):
     """No token's text can start U+0001: the first sample is a dead end. That session ends (its
-    stage samples the end of generation); a session sharing its batch goes on."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    pipeline, client = api
-
-    def dead_end() -> str:
-        with grpc.insecure_channel(pipeline.head_endpoint) as channel:
-            messages = list(pb_grpc.StageServiceStub(channel).Generate(
-                pb.GenerateRequest(prompt="Hi", max_tokens=8, sampling=pb.SamplingParams(grammar='root ::= "\\x01"')),
-                timeout=60))
-        return messages[-1].finish_reason
-
-    with ThreadPoolExecutor(2) as pool:
-        ended = pool.submit(dead_end)
-        other = pool.submit(lambda: client.completions.create(model="m", prompt="The capital of France is",
-                                                              max_tokens=16, temperature=0))
-        assert ended.result() == pb.FINISH_REASON_STOP
-        assert other.result().usage.completion_tokens == 16 or other.result().choices[0].finish_reason == "stop"
+    stage samples the end of generation); a session sharing its batch goes on, to the unsplit
+    model's text (separate lanes: what shares its steps does not change it)."""
+    pipeline, _ = api
+    prompt, tokens = "The capital of France is", 48
+    [reference] = reference_texts(smollm2, [prompt], tokens)
+    other = StreamingRun(pipeline.head_endpoint, prompt, tokens, after_pieces=2)
+    assert other.started.wait(60)
+    with grpc.insecure_channel(pipeline.head_endpoint) as channel:
+        messages = list(pb_grpc.StageServiceStub(channel).Generate(
+            pb.GenerateRequest(prompt="Hi", max_tokens=8, sampling=pb.SamplingParams(grammar='root ::= "\\x01"')),
+            timeout=60))
+    dead_end_over = time.monotonic()
+    assert messages[-1].finish_reason == pb.FINISH_REASON_STOP
+    other.join(120)
+    assert other.error is None, other.error
+    assert other.ended > dead_end_over, "the other session had ended before: they never shared a batch"
+    assert "".join(other.pieces) == reference
+    assert other.outcome["done"].completion_tokens == tokens
+    assert_no_active_sessions(pipeline.configs)

@@ -48,11 +48,12 @@ def test_the_final_stage_returns_tokens_straight_to_the_head_and_the_text_is_unc
     # moment after the client has its token.
     final = eventually(lambda: returns_counted(metrics[2]), lambda f: f.get("sent", 0) >= last.completion_tokens)
     head = returns_counted(metrics[0])
-    steps = head.get("direct", 0) + head.get("relay", 0)
-    assert final["sent"] >= last.completion_tokens
-    assert steps >= last.completion_tokens
-    # On loopback the direct copy (one leg) beats the relay (two legs) nearly every step.
-    assert head.get("direct", 0) >= steps / 2, head
+    assert final["sent"] >= last.completion_tokens  # a direct copy of every step left the final stage
+    assert head.get("direct", 0) + head.get("relay", 0) >= last.completion_tokens  # every step settled
+    # Direct copies reached the head and settled steps (which copy wins a given step is a race:
+    # speed is bench's to measure). With no direct copy arriving, every step is the relay's
+    # (test_a_head_the_final_stage_cannot_reach_costs_only_the_relay: 0 direct).
+    assert head.get("direct", 0) > 0, head
     assert_no_active_sessions(pipeline.configs)
 
 

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ from skippy_stage.v1 import stage_pb2 as pb
 PROMPT = "The capital of France is"
 N_EMBD = 576
 STAGE_ID = "stage-final"
+SINK = "sink"  # a link's back channel, as the C path is given it: the owner of the sessions it opened
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +113,15 @@ def head_rows(head: StageRuntime, session: str, positions, tokens) -> np.ndarray
     return head.run_batch([BatchEntry(session, np.asarray(positions), token_ids=np.asarray(tokens))])[0].hidden
 
 
-def prefill(chain, session: str) -> tuple[int, int]:
+def prefill(chain, session: str, owner: object = None) -> tuple[int, int]:
     """``session`` bound at the final stage (and "h-<session>" at the head) with the prompt: its
-    next position and the token the final stage sampled."""
+    next position and the token the final stage sampled. ``owner``: the link it is opened over
+    (the C path takes a session's frames from that link only)."""
     head, tail = chain.stages
     tokens = tail.tokenizer.tokenize(PROMPT)
     rows = head_rows(head, "h-" + session, range(len(tokens)), tokens)
     token = tail.run_batch([BatchEntry(session, np.arange(len(tokens)), token_ids=np.asarray(tokens), hidden=rows,
-                                       sample=True, sampling=SamplingParams())])[0].token
+                                       sample=True, sampling=SamplingParams())], owner)[0].token
     return len(tokens), token
 
 
@@ -274,11 +277,16 @@ def test_an_inner_stage_sends_on_the_python_paths_rows_with_the_entries_as_they_
     path, routes = inner
     tokens = middle.tokenizer.tokenize(PROMPT)
     rows = head_rows(head, "h", range(len(tokens)), tokens)
+    sink = object()  # the link's back channel, which owns the sessions it opened
     for session in ("py", "nat"):
-        middle.run_batch([BatchEntry(session, np.arange(len(tokens)), token_ids=np.asarray(tokens), hidden=rows)])
+        middle.run_batch([BatchEntry(session, np.arange(len(tokens)), token_ids=np.asarray(tokens), hidden=rows)],
+                         sink if session == "nat" else None)
     pos, token = len(tokens), 42
-    sink = object()
     try:
+        # A session another link opened is not this one's to run in C: declined, nothing done.
+        assert path.run(body("nat", pos, token, np.zeros((1, N_EMBD), np.float32), layer_end=10), link.ours,
+                        link.lock, object()) is None
+        assert middle.lanes.lane_of("nat").n_tokens == pos and not link.pending()
         for step in range(8):
             row = head_rows(head, "h", [pos], [token])
             expected = middle.run_batch([BatchEntry("py", np.asarray([pos]), token_ids=np.asarray([token]),
@@ -583,16 +591,31 @@ def test_a_lone_run_gives_up_on_a_silent_chain_and_declines_once_the_edge_change
         chain3, head_path, lone_head, link):
     head, pos = lone_head
     wait = native_frames._frames.ReturnWait(n_vocab=head.tokenizer.n_vocab)
-    below = Below(link, wait, lambda request: None)
-    started = time.monotonic()
-    assert lone(head_path, Edge(link), wait, lone_entry("lone"), pos, 42, timeout_s=0.2)[:3] == (
-        native_frames.LONE_TIMEOUT, None, 1)
-    assert 0.2 <= time.monotonic() - started < 2.0
+    # silent on the step at pos; the one at pos + 1 is answered
+    below = Below(link, wait, lambda request: returned(request.return_key, "lone", 5)
+                  if list(request.entries[0].positions) == [pos + 1] else None)
+    # A path whose own hop limit is 10 minutes: a run that waited for that rather than its
+    # timeout_s would outlast the bounded wait for its end below by far.
+    patient = native_frames._frames.FramePath(**chain3.stages[0].native_frame_args(), hop_timeout_s=600.0,
+                                              routes=None, classify=native_frames.classify, stage_id=b"stage-head")
+    pool = ThreadPoolExecutor(1)
+    try:
+        started = time.monotonic()
+        silent = pool.submit(lone, patient, Edge(link), wait, lone_entry("lone"), pos, 42, timeout_s=0.2)
+        assert silent.result(timeout=60)[:3] == (native_frames.LONE_TIMEOUT, None, 1)
+        assert time.monotonic() - started >= 0.2  # it waited its timeout out
+    finally:
+        pool.shutdown(wait=False)
     edge = Edge(link)
     edge.stage.downstream = types.SimpleNamespace(hop=edge.downstream.hop)  # a hand-off switched it
     assert lone(head_path, edge, wait, lone_entry("lone"), pos + 1, 42)[:3] == (native_frames.LONE_DECLINED, 42, 0)
-    time.sleep(0.1)
-    assert len(below.frames) == 1 and head.lanes.lane_of("lone").n_tokens == pos + 1
+    assert head.lanes.lane_of("lone").n_tokens == pos + 1  # the declined run computed nothing
+    # ... and sent nothing: the next frame on the link after the silent one is the next run's.
+    assert lone(head_path, Edge(link), wait, lone_entry("lone"), pos + 1, 43, limit=1)[:3] == (
+        native_frames.LONE_TOKEN, 5, 1)
+    sent = [(list(f.request.entries[0].positions), list(f.request.entries[0].token_ids)) for f in below.frames]
+    assert sent == [([pos], [42]), ([pos + 1], [43])]
+    assert head.lanes.lane_of("lone").n_tokens == pos + 2
 
 
 def test_the_heads_return_reader_hands_the_awaited_token_over_and_gives_back_everything_else(
@@ -647,7 +670,7 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
     nothing of it done."""
     head, tail = chain.stages
     pos, token = prefill(chain, "sv-py")
-    assert prefill(chain, "sv") == (pos, token)
+    assert prefill(chain, "sv", SINK) == (pos, token)
     upstream, ours = socket.socketpair()
     reader = native_frames._frames.FrameReader(ours.fileno(), 1 << 20, b"")
     taking = [True]
@@ -658,11 +681,11 @@ def test_a_served_link_runs_its_plain_frames_in_c_and_hands_back_everything_else
         return (link.ours, link.lock, "held") if taking[0] else None
 
     def end(held, done, frame, sink):
-        assert held[2] == "held" and sink == "sink"
+        assert held[2] == "held" and sink is SINK
         ended.append((done[0] if done is not None else None, frame))
 
     def serve() -> None:  # as the listener does: what came with a handed-back message is read with it
-        while (got := native.serve(reader, begin, end, "sink")) is not None:
+        while (got := native.serve(reader, begin, end, SINK)) is not None:
             handed.append(got)
             while reader.readable():
                 handed.append(reader.next(None))
@@ -719,7 +742,7 @@ def test_a_served_links_plain_successes_are_kept_for_one_bulk_record_and_leave_t
     (its metrics are recorded in bulk, at a scrape), leaving the gate ``begin`` passed (``held``'s
     fifth item) itself; a full list, or a gate it does not know, and ``end`` is called as before."""
     head, tail = chain.stages
-    pos, token = prefill(chain, "kp")
+    pos, token = prefill(chain, "kp", SINK)
     upstream, ours = socket.socketpair()
     reader = native_frames._frames.FrameReader(ours.fileno(), 1 << 20, b"")
     gate = EdgeGate()
@@ -740,7 +763,7 @@ def test_a_served_links_plain_successes_are_kept_for_one_bulk_record_and_leave_t
         ended.append(done[0])
 
     def serve() -> None:
-        while (got := native.serve(reader, begin, end, "sink", kept)) is not None:
+        while (got := native.serve(reader, begin, end, SINK, kept)) is not None:
             handed.append(got)
 
     server = threading.Thread(target=serve, daemon=True)

@@ -129,13 +129,17 @@ def test_a_broken_edge_fails_the_waiting_steps_and_tells_the_stages_above(smollm
         final = stages[2]
         original = final.accept_frame
 
+        arrived = threading.Event()
+
         def stuck(hop, sink):  # the final stage takes the frame and never answers
+            arrived.set()
             gate.wait(10)
         final.accept_frame = stuck
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(step, stages[0], "s", 0, prompt)
-            while not len(stages[0].returns._waiting):
-                pass
+            # The step is in flight once its frame reached the final stage: the head waits for it.
+            assert arrived.wait(30), "the step's frame never reached the final stage"
+            assert len(stages[0].returns._waiting) == 1
             lost = DownstreamError("stage stage-2 at local failed: UNAVAILABLE: frame link broke",
                                    stage_id="stage-2")
             stages[1]._link_broken(stages[1].downstream, lost)

@@ -1,4 +1,9 @@
-"""Checks of the deployment files (Kubernetes manifests, Compose, stage configs)."""
+"""Checks of the deployment files (Kubernetes manifests, Compose, stage configs).
+
+Every stage they start binds an address other hosts reach, so every config must pass the
+protected-mode check ``serve`` makes (``check_exposure``) with a token, and every orchestrator
+must mount that token where the config says.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import kubernetes_validate
 import yaml
 
 from skippy_stage.config import StageConfig, load_config, parse_endpoint
+from skippy_stage.security import check_exposure
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -18,6 +24,24 @@ K8S_VERSION = "1.33.0"  # native gRPC probes are GA since 1.27; kubernetes-valid
 
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 CONFIG_FILES = sorted(DEPLOY.rglob("*.json"))
+
+# Kubernetes mounts the service-account token under here: a volume over it (or over a parent) hides it.
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def check_token_required(config: StageConfig) -> None:
+    """The config passes the check ``serve`` makes before it listens (protected mode) with a token,
+    not with ``allow_insecure``."""
+    assert config.auth_token_path is not None, f"{config.stage_id}: binds {config.bind_addr} with no auth_token_path"
+    assert not config.allow_insecure, f"{config.stage_id}: allow_insecure instead of a token"
+    check_exposure(config)
+
+
+def _hides(mount_path: str, path: Path) -> bool:
+    """Whether a volume at ``mount_path`` covers ``path`` (/var/run is /run in the images)."""
+    def norm(p: Path) -> Path:
+        return Path("/run", *p.parts[3:]) if p.parts[1:3] == ("var", "run") else p
+    return norm(path).is_relative_to(norm(Path(mount_path)))
 
 
 def validate_manifest(doc: dict) -> None:
@@ -53,6 +77,7 @@ def check_stage_manifests(docs: list[dict], *, port: int = 7000, frame_port: int
     config_map, service = kinds["ConfigMap"], kinds["Service"]
     (key, text), = config_map["data"].items()
     config = StageConfig.from_dict(json.loads(text))
+    check_token_required(config)
     assert service["metadata"]["name"] == config.stage_id, "peers reach the stage by its stage_id"
 
     pod = workload["spec"]["template"]
@@ -91,6 +116,17 @@ def check_stage_manifests(docs: list[dict], *, port: int = 7000, frame_port: int
     models = volumes[mounts["/models"]]
     assert "hostPath" in models or "persistentVolumeClaim" in models
     assert Path(config.model_path).parent == Path("/models")
+
+    # The token: a Secret's key mounted as the one file the config names, hiding nothing.
+    assert config.auth_token_path in mounts, f"no volume mounted at auth_token_path {config.auth_token_path}"
+    token_mount = next(m for m in container["volumeMounts"] if m["mountPath"] == config.auth_token_path)
+    assert token_mount.get("readOnly") is True and token_mount.get("subPath"), "one file, read-only"
+    secret = volumes[token_mount["name"]]["secret"]
+    keys = [item["path"] for item in secret.get("items", [])]
+    assert token_mount["subPath"] in keys, "the subPath is a key the volume projects"
+    assert secret["secretName"]
+    for mount in container["volumeMounts"]:
+        assert not _hides(mount["mountPath"], SERVICE_ACCOUNT_DIR / "token"), f"{mount['mountPath']} hides the SA token"
 
     config_flag = container["args"][container["args"].index("--config") + 1]
     config_volume = volumes[mounts[str(Path(config_flag).parent)]]
@@ -137,6 +173,15 @@ def compose_service_configs(compose_file: Path) -> dict[str, StageConfig]:
         assert "/models" in mounts, f"{name}: no model volume"
         config = load_config(on_host)
         assert config.stage_id == name, "peers reach the stage by its service name"
+        check_token_required(config)
+        # the token: a top-level file secret mounted where the config reads it
+        targets = {}
+        for secret in service.get("secrets", []):
+            long = secret if isinstance(secret, dict) else {"source": secret}
+            target = long.get("target", long["source"])
+            targets[target if target.startswith("/") else f"/run/secrets/{target}"] = long["source"]
+        assert config.auth_token_path in targets, f"{name}: no secret mounted at {config.auth_token_path}"
+        assert "file" in compose["secrets"][targets[config.auth_token_path]], f"{name}: the token secret is a file"
         healthcheck = " ".join(service["healthcheck"]["test"])
         assert "grpc_health" in healthcheck and "SERVING" in healthcheck
         configs[name] = config

@@ -91,12 +91,14 @@ class StreamingRun:
 
     ``pieces`` so far; ``streaming`` is set at the first text, ``started`` after
     ``after_pieces`` pieces (both also when the call ends); ``outcome`` holds the final
-    message (``"done"``) or the error (``"error"``); ``began``/``ended`` are monotonic times.
+    message (``"done"``) or the error (``"error"``); ``began``/``ended`` are monotonic times,
+    ``arrived`` each piece's.
     """
 
     def __init__(self, endpoint: str, prompt: str, max_tokens: int, after_pieces: int = 8,
                  timeout: float = 120, sampling: pb.SamplingParams | None = None) -> None:
         self.pieces: list[str] = []
+        self.arrived: list[float] = []
         self.streaming = threading.Event()
         self.started = threading.Event()
         self.outcome: dict[str, object] = {}
@@ -113,6 +115,7 @@ class StreamingRun:
         try:
             for msg in self.call:
                 if msg.text:
+                    self.arrived.append(time.monotonic())
                     self.pieces.append(msg.text)
                     self.streaming.set()
                 if len(self.pieces) >= self._after:

@@ -485,9 +485,11 @@ static size_t encode_returned(FramePath *self, const frame_t *fr, uint8_t **out)
 
 /* -- the lanes, under the runtime's locks ------------------------------------------------------ */
 
-/* 1: every entry's session is bound here at its next position with room, the pool needs no
- * eviction, its sampler (if any) is plain greedy; 0: decline; -1: a Python error. */
-static int check_lanes(FramePath *self, frame_t *fr) {
+/* 1: every entry's session is bound here at its next position with room and owned by ``owner`` (the
+ * link the frame came on, peers.Peer; None for the head's own), the pool needs no eviction; 0:
+ * decline (a session another link opened moves to this one in Python: LaneTable.admit); -1: a
+ * Python error. */
+static int check_lanes(FramePath *self, frame_t *fr, PyObject *owner) {
     Py_ssize_t i = 0;
     PyObject *k, *v;
     long used = 0, resident = 0;
@@ -510,6 +512,10 @@ static int check_lanes(FramePath *self, frame_t *fr) {
         long n_tokens = attr_long(bound, "n_tokens"), lane = attr_long(bound, "lane");
         if ((n_tokens < 0 || lane < 0) && PyErr_Occurred()) return -1;
         if (n_tokens != e->pos || n_tokens + 1 > self->cells_per_lane || lane < 0 || lane > INT32_MAX) return 0;
+        PyObject *held_by = PyObject_GetAttrString(bound, "owner");
+        if (held_by == NULL) return -1;
+        Py_DECREF(held_by); /* only its identity is compared: the session keeps it alive */
+        if (held_by != owner) return 0;
         e->lane = (int32_t)lane;
         Py_INCREF(bound);
         e->lane_obj = bound;
@@ -756,7 +762,7 @@ static PyObject *run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObjec
     if (!ok) goto decline;
     if (call_method(self->lanes_lock, "acquire") < 0) goto fail;
     lanes_locked = 1;
-    ok = check_lanes(self, fr);
+    ok = check_lanes(self, fr, sink);
     lanes_locked = 0;
     if (call_method(self->lanes_lock, "release") < 0 || ok < 0) goto fail;
     if (!ok) goto decline;
