@@ -58,7 +58,7 @@ def loader_policy(info: host_facts.HostInfo) -> dict[str, Any]:
         "supports_gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
         "flash_attn_type": f"{defaults['flash_attn_type'].default} (as llama-cpp-python's Llama(), for exact equivalence)",
         "kv_unified": defaults["kv_unified"].default,
-        "ctx_size": "unset: the model's training context, capped to "
+        "ctx_size": "unset: the model's training context for each lane (for the one pool with kv_unified), capped to "
                     f"{loader.AUTO_CTX_MEMORY_SHARE:.0%} of available memory for the KV cache",
     }
 
