@@ -38,6 +38,9 @@ LOAD_MODES = ("runtime-slice", "artifact-slice", "layer-package")
 # The seed's split modes; "auto" leaves llama.cpp's default (layer).
 SPLIT_MODES = ("auto", "none", "layer", "row", "tensor")
 WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
+# max_message_bytes' ceiling: gRPC's message size options are signed 32-bit ints (and a frame's
+# header carries a 32-bit length).
+MAX_MESSAGE_BYTES = 2**31 - 1
 HOP_TRANSPORTS = ("tcp", "stream")
 # The largest CPU latency the kernel's QoS takes (its "no request" value).
 WAKE_LATENCY_MAX_US = 2_000_000_000
@@ -95,8 +98,8 @@ _OPERATOR_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 # stream, A/B rounds): 2 stages with max_inflight 2 decoded at 0.921 ± 0.020 of max_inflight 1
 # (10 rounds, none faster); with the policy 0.990 ± 0.019 (2 stages) / 1.002 ± 0.015 (3). With
 # one decoding thread per process it changes nothing: 0.994 ± 0.008 / 0.999 ± 0.022 (16 rounds).
-# (The head's next decode moved onto its return listener's thread — an experiment of stop 33 —
-# made its llama_decode 1.1 ms slower this way, 5.8 against 4.6 ms.)
+# (Moving the head's next decode onto its return listener's thread made its llama_decode 1.1 ms
+# slower this way, 5.8 against 4.6 ms.)
 SHARED_HOST_WAIT_POLICY = "active"
 # A head alone on its host that runs several steps at once (max_inflight > 1) decodes on as many
 # threads, each leading n_threads - 1 workers: more OpenMP threads than cores, so the throttled
@@ -283,141 +286,176 @@ class StageConfig:
     """Everything one stage process needs. Build it with :func:`load_config` or :meth:`from_dict`."""
 
     model_path: str
+    """The GGUF of the whole model (sliced to this stage's range at start, cached), or with
+    ``load_mode: artifact-slice`` a stage file ``skippy-stage slice`` wrote."""
     stage_id: str
+    """This stage's name: in logs, metrics, status, every error message, and its neighbours' configs."""
     stage_index: int
+    """Its place in the chain, 0 for the head; a neighbour's must be one less (upstream) or one more (downstream)."""
     layer_start: int
+    """The first layer this stage runs; 0 makes it the head (tokenizer, sampling, the generation loop)."""
     layer_end: int
+    """One past the last layer it runs; the model's block count makes it the final stage's range."""
     run_id: str = "local"
+    """Names the deployment in logs and status (the seed's run id)."""
     topology_id: str = "local"
+    """Names the chain's layout in status (the seed's topology id)."""
     model_id: str = ""
-    # KV cells of this stage's context; unset: the model's training context, capped by what
-    # the host's memory holds (the runtime logs which, and why).
+    """Names the model in status (free text)."""
     ctx_size: int | None = None
+    """KV cells of this stage's context, over all lanes. Unset: the model's training context for each
+    lane (``kv_unified: false``) or for the one shared pool (``true``), capped so the KV cache takes at
+    most half the memory available (the runtime logs which, and why)."""
     lane_count: int = 4
+    """Sessions this stage holds at once (llama.cpp sequences); at most 256 and at most ``n_ubatch``."""
     n_batch: int = 512
+    """Most tokens one llama_decode takes; longer prompts are fed in chunks of this many."""
     n_ubatch: int = 512
+    """Most tokens one micro-batch computes (at most ``n_batch``)."""
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """llama.cpp threads for decoding (default: every core of the host; ``up`` sets it per stage)."""
     n_threads_batch: int | None = None
+    """llama.cpp threads for prompt batches; unset: ``n_threads``."""
     n_gpu_layers: int = 0
-    # Loader settings, as the seed names them; each reaches llama_model_params (see loader.py).
-    # mmap unset: llama.cpp decides (it maps the file where every device supports it).
+    """Layers offloaded to the device (-1: all of this stage's)."""
     mmap: bool | None = None
+    """Map the file rather than read it; unset: llama.cpp decides (it maps where every device supports it)."""
     mlock: bool = False
+    """Lock the model's pages in memory (llama.cpp load mode MLOCK / MMAP_MLOCK)."""
     direct_io: bool = False
-    # Repack weights into llama.cpp's extra buffer types (AMX, ...). Off as in the seed: the
-    # AMX repack crashes llama.cpp (issue #20824), and refused outright on such a CPU.
+    """Read the file with direct I/O (llama.cpp load mode DIRECT_IO); excludes ``mmap`` and ``mlock``."""
     repack: bool = False
+    """Repack weights into llama.cpp's extra buffer types (``use_extra_bufts``), as stock llama-cpp-python
+    does: other kernels (and with them other bits, exactly stock ``Llama``'s) and faster prefill for
+    Q4_0/Q4_K weights on AVX2/AVX-512 CPUs. Off as in the seed; refused on a CPU with AMX_INT8, where the
+    AMX repack crashes llama.cpp (#20824)."""
     check_tensors: bool = False
+    """Have llama.cpp validate tensor data while loading (slower start)."""
     no_host_buffer: bool = False
-    # Offload host tensor operations to the device; unset: llama.cpp's default.
+    """Keep weights out of host-pinned buffers (llama.cpp ``no_host``)."""
     op_offload: bool | None = None
+    """Offload host tensor operations to the device; unset: llama.cpp's default."""
     cache_type_k: str = "f16"
+    """Type of the K cache: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1."""
     cache_type_v: str = "f16"
-    # llama-cpp-python's Llama() runs without flash attention; matching it keeps the
-    # unsplit-equivalence contract exact ("auto" picks other kernels on CPU).
+    """Type of the V cache (same types; a quantized V needs flash attention)."""
     flash_attn_type: str = "disabled"
+    """auto, disabled or enabled. Disabled as llama-cpp-python's ``Llama()`` runs, which keeps the
+    split == unsplit contract exact ("auto" picks other kernels on CPU)."""
     kv_offload: bool = True
-    # Off (the default): each lane has KV cells of its own, ctx_size / lane_count (with ctx_size
-    # unset, the model's training context each), so a session's text does not depend on what
-    # other sessions do and a finished chat keeps its prefix resident for its next turn. On: one
-    # pool shared by every lane (llama-server's parallel slots): one session may use the whole
-    # context, but other sessions' cells change the attention's summation blocks (greedy text
-    # then depends on load) and no prefix stays resident.
+    """Keep the KV cache on the device where layers are offloaded."""
     kv_unified: bool = False
+    """Off: each lane has KV cells of its own, ``ctx_size / lane_count``, so a session's text does not
+    depend on what other sessions do and a finished chat keeps its prefix resident for its next turn.
+    On: one pool shared by every lane (llama-server's parallel slots): one session may use the whole
+    context, but other sessions' cells change the attention's summation blocks (greedy text then
+    depends on load) and no prefix stays resident."""
     swa_full: bool = False
+    """Give sliding-window layers a full-size KV cache (llama.cpp ``swa_full``)."""
     cache_idle_slots: int | None = None
+    """Reset lanes kept warm, and resident prefixes kept for a later turn; unset: one per lane; 0: none."""
     split_mode: str = "auto"
+    """How a stage spreads over several devices: auto (llama.cpp's default, layer), none, layer, row, tensor."""
     main_gpu: int = 0
-    # A backend device by name (``skippy-stage info`` lists them), or the seed's object
-    # ``{"backend_device": NAME, ...}``; unset: llama.cpp's own choice.
+    """The device for ``split_mode: none`` and small tensors."""
     selected_device: str | None = None
+    """A backend device by name (``skippy-stage info`` lists them), or the seed's object
+    ``{"backend_device": NAME, ...}``; unset: llama.cpp's own choice."""
     load_mode: str = "runtime-slice"
+    """runtime-slice: slice ``model_path`` to this range at start (cached); artifact-slice:
+    ``model_path`` is already the stage file; layer-package: refused (offline-only in the seed)."""
     bind_addr: str = "127.0.0.1:0"
+    """Where the gRPC service listens (``host:port`` or ``tcp://host:port``; port 0: any). An address
+    other hosts can reach needs a token or TLS (see ``allow_insecure``)."""
     upstream: PeerConfig | None = None
+    """The stage above: ``{stage_id, stage_index, endpoint}``; unset on the head."""
     downstream: PeerConfig | None = None
-    # Replacement stages serving the same layer range as the downstream, tried in order
-    # while the downstream does not answer (the head then re-prefills its sessions).
+    """The stage below; unset makes this the final stage (output head and sampling)."""
     downstream_alternates: tuple[PeerConfig, ...] = ()
-    # Final stage only: the head (stage_index 0), to which this stage sends each batch's
-    # sampled tokens straight back. Unset: they travel back up the edges (one leg per stage).
+    """Replacement stages serving the same layer range as the downstream, tried in order while the
+    downstream does not answer (the head then re-prefills its sessions)."""
     return_to: PeerConfig | None = None
+    """Final stage only: the head, to which this stage sends each batch's sampled tokens straight back.
+    Unset: they travel back up the edges (one leg per stage)."""
     cache_dir: str | None = None
+    """Where stage files are cached; unset: ``$SKIPPY_STAGE_CACHE`` or ``$XDG_CACHE_HOME/skippy-stage``."""
     wire_dtype: str = "f32"
-    # How frames travel on this stage's edges (both ends of an edge must agree): "tcp", a
-    # length-prefixed connection to the neighbour's frame listener (the default: bench measures
-    # it far below the gRPC stream's floor), or "stream", the gRPC ActivationStream.
+    """How hidden states travel to the next stage: f32 (exact), f16, bf16 or int8 (smaller, lossy)."""
     hop_transport: str = "tcp"
-    # Below the head: run plain decode frames (one position per bound session, f32 rows, plain TCP
-    # links; at the final stage greedy sampling) in compiled code rather than Python; every other
-    # frame runs the Python path.
+    """How frames travel on this stage's edges (both ends of an edge must agree): "tcp", a
+    length-prefixed connection to the neighbour's frame listener, or "stream", the gRPC ActivationStream."""
     native_frames: bool = True
-    # Head: one greedy session alone runs its plain decode steps back to back in compiled code,
-    # the scheduler seeing each token after the next step has left (with native_frames and a
-    # plain TCP link below; ``Stage.process_lone``).
+    """Below the head: run plain decode frames (one position per bound session, f32 rows, plain TCP
+    links; at the final stage greedy sampling) in compiled code rather than Python."""
     lone_steps: bool = True
-    # The TCP frame listener's port on bind_addr's host (hop_transport "tcp"); unset: any free
-    # port, which the stage advertises in GetStatus (fix it where a firewall or Service must know).
+    """Head: one greedy session alone runs its plain decode steps back to back in compiled code (with
+    ``native_frames`` and a plain TCP link below)."""
     frame_port: int | None = None
-    # Largest gRPC message this stage sends or accepts; larger ones get RESOURCE_EXHAUSTED.
+    """The TCP frame listener's port on ``bind_addr``'s host; unset: any free port, advertised in
+    GetStatus (fix it where a firewall or a Service must know it)."""
     max_message_bytes: int = 64 * 1024 * 1024
-    # Head scheduler: batches in flight at once (disjoint session groups), the admission
-    # queue's bound, and how long a session may wait in it for a lane.
+    """Largest gRPC message or frame this stage sends or accepts; larger ones get RESOURCE_EXHAUSTED.
+    At most 2 GiB - 1: gRPC counts a message's bytes in a signed 32-bit integer."""
     max_inflight: int = 1
-    # Prometheus metrics over HTTP on this port (unset: no metrics endpoint).
+    """Head: batches in flight at once (disjoint session groups); at most ``lane_count``."""
     metrics_port: int | None = None
-    # Hold the host's idle CPUs to waking within this many microseconds while the stage runs
-    # (the kernel's CPU latency QoS, /dev/cpu_dma_latency; 0: idle CPUs poll instead of sleeping),
-    # so a frame does not wait for a halted CPU: on a VM that wake cost a hop ~40 us (bench).
-    # Host-wide, costs idle power, needs write access to the device. Unset: the host's own policy.
+    """Prometheus metrics over HTTP on this port; unset: no metrics endpoint."""
     cpu_wake_latency_us: int | None = None
-    # A session untouched for this long is freed (on every stage, each by its own clock),
-    # so a client or head that vanished never pins a lane; 0: never.
+    """Hold the host's idle CPUs to waking within this many microseconds while the stage runs (the
+    kernel's CPU latency QoS, /dev/cpu_dma_latency; 0: idle CPUs poll), so a frame does not wait for a
+    halted CPU. Host-wide, costs idle power, needs write access to the device. Unset: the host's policy."""
     session_idle_ttl_s: float = 600.0
-    # A stage whose downstream has not answered within this many seconds of loading exits
-    # non-zero (its orchestrator restarts it); later outages only make it NOT_SERVING.
+    """A session untouched for this long is freed (on every stage, each by its own clock), so a client
+    or head that vanished never pins a lane; 0: never."""
     downstream_ready_timeout_s: float = 300.0
-    # TLS: certificate and key to serve with (and present downstream); with a CA, client
-    # certificates signed by it are required (mutual TLS) and the downstream is verified.
+    """A stage whose downstream has not answered within this many seconds of loading exits non-zero
+    (its orchestrator restarts it); later outages only make it NOT_SERVING."""
     tls_cert_path: str | None = None
+    """TLS certificate to serve with (and to present downstream); set with ``tls_key_path``."""
     tls_key_path: str | None = None
+    """The certificate's private key."""
     tls_ca_path: str | None = None
-    # A file holding the bearer token every RPC but Health must carry (and that this
-    # stage sends downstream).
+    """A CA: client certificates signed by it are required (mutual TLS) and the downstream is verified."""
     auth_token_path: str | None = None
-    # A stage whose bind_addr other hosts can reach (not loopback) refuses to start without a
-    # token or TLS, since anyone who reaches its ports could otherwise feed it frames; true says
-    # the network itself is trusted (Redis's protected mode).
+    """A file holding the bearer token every RPC but Health must carry, and every frame link's hello
+    (this stage sends it downstream too)."""
     allow_insecure: bool = False
-    # Live sessions that the connections of one remote host may hold together unless they are
-    # this stage's chain (they presented the token or a certificate of tls_ca_path, or without
-    # either their hello names the upstream's stage_id); unset: a quarter of lane_count, at least 1.
-    # A connection's sessions are freed on every stage when it closes (``stage.peers``).
+    """A stage whose ``bind_addr`` other hosts can reach (not loopback) refuses to start without a token
+    or TLS, since anyone who reaches its ports could otherwise feed it frames; true says the network
+    itself is trusted (Redis's protected mode)."""
     peer_session_cap: int | None = None
-    # OpenAI-compatible HTTP API on this port, head stage only (unset: off).
+    """Live sessions that the connections of one remote host may hold together unless they are this
+    stage's chain (they presented the token or a certificate of ``tls_ca_path``, or without either their
+    hello names the upstream's stage_id); unset: a quarter of ``lane_count``, at least 1. A connection's
+    sessions are freed on every stage when it closes."""
     http_port: int | None = None
+    """Head only: the OpenAI-compatible HTTP API on this port; unset: off."""
     admission_queue: int = 64
+    """Head: generations waiting for a lane; beyond it a request gets RESOURCE_EXHAUSTED (HTTP 429)."""
     admission_wait_s: float = 30.0
-    # Head: a streamed generation's tokens that come within this many milliseconds of the last
-    # message sent go out together in the next one (the first token at once, the last at the
-    # end); 0: one message per token. Each message costs the host CPU in the head's stream and
-    # the client; on stages sharing a host's cores that CPU slows the next stage's decode.
+    """Head: how long a generation may wait in the queue for a lane."""
     stream_interval_ms: float = 0.0
-    # A generation whose chain fails waits this long for it to come back, then re-prefills
-    # its tokens through it and continues; 0: fail at once.
+    """Head: a streamed generation's tokens that come within this many milliseconds of the last message
+    go out together in the next one (the first token at once, the last at the end); 0: one message per
+    token. Each message costs CPU that, on stages sharing a host's cores, slows the next decode."""
     recovery_wait_s: float = 15.0
-    # Timeouts, each named by its scope: one frame or control call to the downstream (capped
-    # further by the caller's deadline); one health probe of it, and the pause between probes;
-    # one generation step at the head, end to end; freeing a finished session on every stage.
+    """A generation whose chain fails waits this long for it to come back, then re-prefills its tokens
+    through it and continues; 0: fail at once."""
     hop_timeout_s: float = 30.0
+    """One frame or control call to the downstream (capped further by the caller's deadline)."""
     health_probe_s: float = 1.0
+    """One health probe of the downstream."""
     health_interval_s: float = 0.5
+    """The pause between health probes of the downstream."""
     step_timeout_s: float = 60.0
+    """Head: one generation step, end to end."""
     drop_timeout_s: float = 5.0
-    # Threads serving gRPC calls (a Generate stream holds one for its whole length).
+    """Freeing a finished session on every stage."""
     grpc_workers: int = 64
-    # Head only: speculative decoding (drafter, k, ngram, adaptive, model_path); requests may
-    # override all but model_path. Unset: none.
+    """Threads serving gRPC calls (a Generate stream holds one for its whole length)."""
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    """Head only: speculative decoding ``{drafter, k, ngram, adaptive, model_path}``; requests may
+    override all but model_path. Unset: none."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bind_addr", strip_tcp_scheme(self.bind_addr))
@@ -530,6 +568,16 @@ def load_config(path: str | os.PathLike[str]) -> StageConfig:
     except (ValueError, RecursionError) as exc:  # absurd nesting or integer length
         raise ConfigError(f"stage config {path} cannot be read as a config: {type(exc).__name__}") from exc
     return StageConfig.from_dict(data)
+
+
+# The seed's StageConfig fields this stage implements (the rest of StageConfig is this project's own).
+SEED_FIELDS = frozenset((
+    "run_id", "topology_id", "model_id", "model_path", "stage_id", "stage_index", "layer_start", "layer_end",
+    "ctx_size", "lane_count", "n_batch", "n_ubatch", "n_threads", "n_threads_batch", "n_gpu_layers", "mmap", "mlock",
+    "direct_io", "repack", "check_tensors", "no_host_buffer", "op_offload", "cache_type_k", "cache_type_v",
+    "flash_attn_type", "kv_offload", "kv_unified", "swa_full", "cache_idle_slots", "split_mode", "main_gpu",
+    "selected_device", "load_mode", "bind_addr", "upstream", "downstream",
+))
 
 
 @dataclass(frozen=True)
@@ -675,6 +723,9 @@ def _validate(cfg: StageConfig) -> None:
         _require_int(cfg, name, 1)
     _require_int(cfg, "n_threads_batch", 1, optional=True)
     _require_int(cfg, "max_message_bytes", 1024)
+    if cfg.max_message_bytes > MAX_MESSAGE_BYTES:
+        raise _fail(cfg, "max_message_bytes", cfg.max_message_bytes,
+                    f"must be <= {MAX_MESSAGE_BYTES} (2 GiB - 1: gRPC counts message bytes in a signed 32-bit int)")
     _require_int(cfg, "max_inflight", 1)
     for name in ("metrics_port", "http_port", "frame_port"):
         _require_int(cfg, name, 0, optional=True)

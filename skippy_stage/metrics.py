@@ -213,5 +213,5 @@ class StageMetrics:
         """Read a gauge from its owner at scrape time."""
         self._gauges[name].set_function(read)
 
-    def serve_http(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve_http(self, port: int, addr: str) -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -229,6 +229,14 @@ def test_integer_fields_must_be_real_integers(value: object) -> None:
     assert f"ctx_size={value!r}" in message
 
 
+def test_max_message_bytes_of_2_gib_or_more_is_refused_naming_field_and_value() -> None:
+    # gRPC's size options are signed 32-bit ints: 2**31 would wrap.
+    message = refused(max_message_bytes=2**31)
+
+    assert "stage-0" in message and f"max_message_bytes={2**31}" in message
+    assert config(max_message_bytes=2**31 - 1).max_message_bytes == 2**31 - 1
+
+
 def test_cache_idle_slots_above_lane_count_is_refused() -> None:
     message = refused(lane_count=2, cache_idle_slots=3)
 

@@ -20,12 +20,11 @@ from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, DownstreamError
 from skippy_stage.security import BearerTokenInterceptor, Credentials, check_exposure
 from skippy_stage.server.monitor import DownstreamMonitor
-from skippy_stage.server.service import StageServicer
+from skippy_stage.server.service import StageServicer, add_to_server
 from skippy_stage.server.wake_latency import WakeLatencyRequest
 from skippy_stage.stage.listener import FrameListener
 from skippy_stage.stage.stage import Stage, StageState
 from skippy_stage.v1 import stage_pb2 as pb
-from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("skippy_stage.server")
 
@@ -63,7 +62,7 @@ class StageServer:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_workers), interceptors=interceptors,
                                   options=server_options(config.max_message_bytes))
         self.servicer = StageServicer(self.stage)
-        pb_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
+        add_to_server(self.servicer, self.server)  # undecodable requests: INVALID_ARGUMENT, naming the message
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self._set_health(False)
@@ -102,12 +101,14 @@ class StageServer:
         if self.frames is not None:
             self.frames.start()
         self._monitor.start()
+        # The HTTP listeners bind bind_addr's host, as the gRPC service does: a stage on loopback
+        # shows its metrics and API to this host only.
+        host = self.config.bind_addr.rpartition(":")[0].strip("[]") or "0.0.0.0"
         if self.config.metrics_port is not None:
-            self.stage.metrics.serve_http(self.config.metrics_port)
+            self.stage.metrics.serve_http(self.config.metrics_port, host)
         if self.config.http_port is not None:
             from skippy_stage.server.openai_api import OpenAIServer
 
-            host = self.config.bind_addr.rpartition(":")[0].strip("[]") or "0.0.0.0"
             self.http = OpenAIServer(self.servicer, host=host, port=self.config.http_port)
             self.http.start()
 

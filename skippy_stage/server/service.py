@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -35,6 +36,50 @@ from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("skippy_stage.service")
 
+SERVICE = pb.DESCRIPTOR.services_by_name["StageService"]
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Request bytes that do not parse as ``message``: what a request deserializer gives instead
+    of raising (grpcio would answer INTERNAL "Exception deserializing request!" before any
+    handler ran); the handler refuses it as INVALID_ARGUMENT, naming the message."""
+
+    message: str
+    reason: str
+
+    def error(self) -> InvalidRequestError:
+        return InvalidRequestError(f"undecodable {self.message}: {self.reason}")
+
+
+def _lenient(message_type: type) -> Callable[[bytes], object]:
+    """``message_type.FromString``, giving :class:`Undecodable` where it would raise."""
+    name = message_type.DESCRIPTOR.name
+
+    def parse(data: bytes) -> object:
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - whatever protobuf raises, the bytes are the client's
+            return Undecodable(name, str(exc) or type(exc).__name__)
+    return parse
+
+
+def add_to_server(servicer: StageServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` as the generated ``add_StageServiceServicer_to_server`` does, with
+    request deserializers that never raise: undecodable bytes reach the handler as
+    :class:`Undecodable` and become INVALID_ARGUMENT there."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for method in SERVICE.methods:
+        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_lenient(request),
+                                     response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
 def _abort(context: grpc.ServicerContext, exc: SkippyError) -> None:
     code, message = status_for(exc)
     if isinstance(exc, DownstreamError):
@@ -49,6 +94,8 @@ def _unary(handler: Callable) -> Callable:
     @functools.wraps(handler)
     def wrapper(self: StageServicer, request, context):
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             response = handler(self, request, context)
         except SkippyError as exc:
             code, _ = status_for(exc)
@@ -154,10 +201,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
             try:
                 for hop in request_iterator:
                     try:
+                        if isinstance(hop, Undecodable):
+                            raise hop.error()
                         drops = codec.released_from_pb(hop)
                     except InvalidRequestError as exc:
                         self.stage.metrics.requests(rpc="Frame", code="INVALID_ARGUMENT").inc()
-                        peer(error_reply(exc, return_key="bad-frame", session_ids=[], hop_id=hop.hop_id,
+                        peer(error_reply(exc, return_key="bad-frame", session_ids=[],
+                                         hop_id=0 if isinstance(hop, Undecodable) else hop.hop_id,
                                          stage_id=self.stage.config.stage_id))
                         continue
                     if drops is not None:
@@ -215,6 +265,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
             self._return_streams.add(context)
         try:
             for batch in request_iterator:
+                if isinstance(batch, Undecodable):
+                    _abort(context, batch.error())
                 accepted += self.stage.deliver_return(batch.return_key, codec.outputs_from_pb(batch.response))
         except grpc.RpcError:
             pass  # the final stage went away, or the head is draining; its next return opens a new stream
@@ -265,6 +317,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def Generate(self, request, context):  # noqa: N802
         started = time.perf_counter()
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             self._require_head("Generate")
             generator = self.head()
             spec = generate_spec_from_pb(request, max_tokens_limit=generator.max_context,

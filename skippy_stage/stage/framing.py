@@ -173,11 +173,17 @@ class FrameSocket:
             return True  # the receive says what is wrong with it
 
     def close(self) -> None:
+        """Shut the connection down, then close the descriptor under the send lock. The C frame
+        path sends on the raw descriptor without the GIL, holding the send lock: closed meanwhile,
+        its number could be handed to a new socket and take the rest of a frame meant for this
+        link. The shutdown ends a send blocked on a peer that stopped reading (so the lock comes
+        free) and a read in progress; the C reader reads its own duplicate of the descriptor."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.sock.close()
+        with self.send_lock:
+            self.sock.close()
 
 
 def plain(link: FrameSocket | None) -> FrameSocket | None:

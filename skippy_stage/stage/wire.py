@@ -183,7 +183,13 @@ def _int8_encode(x: np.ndarray) -> bytes:
     if not np.isfinite(absmax).all():
         bad = int(np.flatnonzero(~np.isfinite(absmax))[0])
         raise ValueError(f"int8 cannot encode non-finite hidden states (row {bad}); use f32")
-    scale = (absmax / np.float32(_INT8_QMAX)).astype(np.float32)
+    # The scale is absmax / 127 rounded toward zero, never up: 127 * scale then stays within the
+    # row's own largest magnitude, so no row decodes beyond it (a row holding float32's largest value
+    # would otherwise come back as inf). The float64 product of a float32 and 127 is exact.
+    exact = absmax.astype(np.float64) / _INT8_QMAX
+    scale = exact.astype(np.float32)
+    over = scale.astype(np.float64) * _INT8_QMAX > absmax
+    scale[over] = np.nextafter(scale[over], np.float32(0))
     # All-zero rows (and rows so small the scale underflows) get scale 1: they quantize to 0.
     scale[scale == 0] = 1.0
     q = np.rint(x / scale[:, None])

@@ -13,8 +13,12 @@ naming the field. Checked in one process against the real SmolLM2 splits 0:15 / 
 
 from __future__ import annotations
 
+import math
 import random
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import types
@@ -956,3 +960,186 @@ def test_the_final_stages_greedy_pick_is_llama_cpps_greedy_sampler():
         assert native_frames._frames.greedy(logits) == llama_cpp_greedy(logits), name
     with pytest.raises(ValueError, match="float32"):
         native_frames._frames.greedy(b"")
+
+
+# -- the extension's own safety: ownership, GC, waits, descriptors, bookkeeping ---------------------
+
+# A FramePath's arguments with stand-in pointers (nothing dereferences them but ``batch``, copied at
+# init): enough to construct one, never to run a frame.
+FAKE_ARGS = """
+import ctypes, gc, sys, weakref
+from skippy_stage.stage import _frames
+BATCH = ctypes.create_string_buffer(64)
+
+def fake_args(**changes):
+    args = dict(ctx=1, mem=1, decode=1, logits_ith=1, seq_rm=1, batch=ctypes.addressof(BATCH), pos=1, seq=1, out=1,
+                embd=1, capture=0, token=0, n_embd=8, n_vocab=16, n_batch=4, layer_start=1, layer_end=2,
+                stage_index=1, equal_split=False, cells_per_lane=64, kv_pool_tokens=64, hop_timeout_s=1.0,
+                owner=object(), compute_lock=object(), lanes_lock=object(), sessions={}, resident={}, histories={},
+                samplers={}, routes=None, classify=object(), stage_id=b"s")
+    args.update(changes)
+    return args
+"""
+
+
+def run_isolated(script: str) -> str:
+    """``script`` (after FAKE_ARGS) in a child interpreter, so a crash fails this test and not the run;
+    its stdout."""
+    done = subprocess.run([sys.executable, "-c", FAKE_ARGS + textwrap.dedent(script)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+def test_a_frame_path_refused_at_init_or_initialised_twice_holds_exactly_what_it_took():
+    """Arguments are owned only once checked: a refused init (bad sizes, a wrong type) leaves nothing
+    for dealloc to release; a second init releases what the first took."""
+    out = run_isolated("""
+        owner, routes = object(), object()
+        for bad in (dict(n_embd=0), dict(sessions=[]), dict(hop_timeout_s=float("nan")), dict(n_embd=1 << 24)):
+            try:
+                _frames.FramePath(**fake_args(owner=owner, **bad))
+            except (ValueError, TypeError):
+                pass
+            else:
+                raise SystemExit(f"accepted {bad}")
+            gc.collect()
+        base = sys.getrefcount(owner), sys.getrefcount(routes)
+        path = _frames.FramePath(**fake_args(owner=owner, capture=1, routes=routes))
+        held = sys.getrefcount(owner), sys.getrefcount(routes)
+        path.__init__(**fake_args(capture=1, routes=object()))
+        assert (sys.getrefcount(owner), sys.getrefcount(routes)) == base, (base, held)
+        try:
+            path.__init__(**fake_args(n_vocab=0))
+        except ValueError:
+            pass
+        del path
+        gc.collect()
+        assert (sys.getrefcount(owner), sys.getrefcount(routes)) == base
+        try:
+            _frames.FramePath.__new__(_frames.FramePath).run(b"", None, None, None)
+        except RuntimeError as exc:
+            print(exc)
+    """)
+    assert "not initialised" in out
+
+
+def test_a_frame_path_in_a_reference_cycle_is_collected():
+    """It holds the stage's objects (``routes`` leads back to the stage that holds the path): the
+    cycle collector must see through it, or every reloaded stage leaks."""
+    run_isolated("""
+        class Routes:
+            pass
+        routes = Routes()
+        routes.path = _frames.FramePath(**fake_args(capture=1, routes=routes))
+        gone = weakref.ref(routes)
+        wait = _frames.ReturnWait(n_vocab=4)
+        del routes
+        gc.collect()
+        assert gone() is None, "the cycle through the FramePath was not collected"
+        assert gc.is_tracked(wait)
+    """)
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -math.inf, -1.0])
+def test_every_wait_refuses_a_timeout_that_is_not_finite_and_non_negative(timeout):
+    """A NaN deadline makes pthread_cond_timedwait fail with EINVAL, at once, forever: a wait that
+    only left on a timeout spun holding its mutex (and froze the interpreter behind it)."""
+    out = run_isolated(f"""
+        timeout = float("{timeout}")
+        bell, gate = _frames.Bell(), _frames.Gate()
+        for call in (bell.wait, gate.close, gate.wait_idle):
+            try:
+                call(timeout)
+            except ValueError as exc:
+                print(exc)
+            else:
+                raise SystemExit(f"{{call}} took {{timeout}}")
+        head = _frames.FramePath(**fake_args(capture=1, token=1, embd=0))
+        try:
+            head.lone(_frames.ReturnWait(n_vocab=16), b"", b"r", b"p", 0, 1, 0, 1, b"", timeout, None, None,
+                      gate, None, None, None, None, None)
+        except ValueError as exc:
+            print(exc)
+    """)
+    assert out.count("timeout_s must be finite and >= 0") == 4, out
+    assert _frames_module().Bell().wait(0.0) is False  # a finite one still waits (here: not at all)
+
+
+def _frames_module():
+    return native_frames._frames
+
+
+def test_a_c_reader_never_reads_a_descriptor_number_handed_to_another_socket():
+    """The reader reads without the GIL while Python may close its link: it reads its own duplicate
+    of the descriptor, so a number closed and handed to a new socket meanwhile is never read."""
+    ours, theirs = socket.socketpair()
+    reader = native_frames._frames.FrameReader(theirs.fileno(), 1 << 16, b"")
+    number = theirs.fileno()
+    ours.close()
+    theirs.close()
+    pairs = [socket.socketpair() for _ in range(4)]  # the lowest free numbers: one of them is ``number``
+    try:
+        for a, b in pairs:
+            for sock, peer in ((a, b), (b, a)):
+                if sock.fileno() == number:
+                    peer.sendall(framing.encode(framing.Kind.HOP_REQUEST, pb.HopRequest(hop_id=9)))
+        assert reader.next(None) is None  # the old link's end, not the new socket's frame
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_closing_a_link_waits_for_the_send_under_way():
+    """The C path sends on the raw descriptor holding the send lock: ``close`` shuts the link down
+    at once (a blocked send ends) but closes the descriptor only under that lock."""
+    ours, theirs = socket.socketpair()
+    link = framing.FrameSocket(theirs, max_message_bytes=1 << 16)
+    closed = threading.Event()
+
+    def close() -> None:
+        link.close()
+        closed.set()
+    with link.send_lock:
+        closer = threading.Thread(target=close, daemon=True)
+        closer.start()
+        assert ours.recv(1) == b""  # shut down already: the peer sees the end
+        assert not closed.is_set() and theirs.fileno() >= 0
+    assert closed.wait(10) and theirs.fileno() == -1
+    ours.close()
+
+
+@pytest.mark.parametrize("breakage", ["a lane count that is not an int", "a history that is not a list"])
+def test_bookkeeping_that_fails_after_the_decode_leaves_the_session_as_it_was(chain, native, link, breakage):
+    """After a successful decode the history and the lane advance together, or (an error raised) the
+    history, the lane and the KV the decode wrote are as they were: the same frame then runs again
+    and gives the Python path's token."""
+    head, tail = chain.stages
+    pos, token = prefill(chain, "py")
+    assert prefill(chain, "bk") == (pos, token)
+    try:
+        row = head_rows(head, "h-py", [pos], [token])
+        expected = tail.run_batch([BatchEntry("py", np.asarray([pos]), token_ids=np.asarray([token]), hidden=row,
+                                              sample=True, sampling=SamplingParams())])[0].token
+        before = state(tail, "bk")
+        lane = tail.lanes._sessions["bk"]  # the table's own record (lane_of gives a copy)
+        if breakage == "a lane count that is not an int":
+            lane.batches = str(lane.batches)
+        else:
+            tail._history["bk"] = tuple(tail._history["bk"])
+        with pytest.raises(TypeError):
+            native.run(body("bk", pos, token, row), link.ours, link.lock, None)
+        lane.batches = int(lane.batches)
+        tail._history["bk"] = list(tail._history["bk"])
+        assert state(tail, "bk") == before
+        assert not link.pending()
+        done = native.run(body("bk", pos, token, row), link.ours, link.lock, None)
+        assert done is not None and done[0] == 0, done
+        assert link.read().response.outputs[0].token == expected
+        assert state(tail, "bk") == state(tail, "py")
+    finally:
+        for session in ("py", "bk"):
+            tail.drop_session(session)
+        head.drop_session("h-py")
+        head.drop_session("h-bk")

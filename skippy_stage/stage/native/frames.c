@@ -27,6 +27,8 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stddef.h>
@@ -34,6 +36,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../../model/native/capture.h" /* the capture's state, ABI 1 */
 
@@ -267,6 +270,8 @@ typedef struct {
     PyObject *stage_id;       /* bytes */
 } FramePath;
 
+static int path_ready(FramePath *self);
+
 static int distinct_sessions(const frame_t *fr) {
     for (int i = 0; i < fr->n; i++)
         for (int j = 0; j < i; j++)
@@ -419,6 +424,14 @@ static uint64_t now_unix_ns(void) {
 
 /* -- protobuf writing -------------------------------------------------------------------------- */
 
+/* A message of ``body`` bytes after its kind byte, as the frame header's u32 length (body + 1):
+ * 1, or 0 with ValueError where it does not fit (never truncated). */
+static int frame_length_fits(size_t body) {
+    if (body < UINT32_MAX) return 1;
+    PyErr_Format(PyExc_ValueError, "frame message of %zu bytes exceeds the frame format's 4 GiB", body);
+    return 0;
+}
+
 static size_t varint_len(uint64_t v) {
     size_t n = 1;
     while (v >= 0x80) {
@@ -446,7 +459,7 @@ static uint8_t *put_bytes(uint8_t *p, uint32_t field, const void *s, size_t n) {
 
 /* ReturnedBatch{return_key, response: IterationBatchResponse{outputs: EntryOutput{session_id,
  * has_token, token}..., final_stage_id}} after a 5-byte frame header; its total length. */
-static size_t encode_returned(FramePath *self, const frame_t *fr, uint8_t **out) { /* *out: PyMem_Free it */
+static size_t encode_returned(FramePath *self, const frame_t *fr, uint8_t **out) { /* *out: PyMem_Free it; 0: error set */
     const char *stage = PyBytes_AS_STRING(self->stage_id);
     size_t stage_len = (size_t)PyBytes_GET_SIZE(self->stage_id);
     size_t outputs[MAX_ENTRIES];
@@ -457,8 +470,12 @@ static size_t encode_returned(FramePath *self, const frame_t *fr, uint8_t **out)
         response += 1 + varint_len(outputs[i]) + outputs[i];
     }
     size_t body = 1 + varint_len(fr->key_len) + fr->key_len + 1 + varint_len(response) + response;
+    if (!frame_length_fits(body)) return 0;
     uint8_t *start = PyMem_Malloc(5 + body), *p = start;
-    if (start == NULL) return 0;
+    if (start == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
     uint32_t length = (uint32_t)(body + 1);
     *p++ = (uint8_t)(length >> 24);
     *p++ = (uint8_t)(length >> 16);
@@ -542,57 +559,126 @@ static int samplers_plain(FramePath *self, frame_t *fr) {
     return 1;
 }
 
+/* Each entry's lane: n_tokens and batches one more, last_used now; all of it or (an error raised)
+ * none. The old values are read first, each checked (an attribute that is missing or not an int is
+ * an error, never taken as -1); a failed write puts back the ones made. Under the lane table's lock. */
 static int advance_lanes(FramePath *self, frame_t *fr) {
-    PyObject *when = PyFloat_FromDouble(now_monotonic());
-    if (when == NULL) return -1;
-    int rc = 0;
-    for (int j = 0; j < fr->n && rc == 0; j++) {
+    static const char *fields[3] = {"n_tokens", "batches", "last_used"};
+    PyObject *was[MAX_ENTRIES][3] = {{NULL}}, *now[MAX_ENTRIES][3] = {{NULL}};
+    int rc = -1, written = 0;
+    now[0][2] = PyFloat_FromDouble(now_monotonic());
+    if (now[0][2] == NULL) return -1;
+    for (int j = 0; j < fr->n; j++) {
         PyObject *lane = fr->entries[j].lane_obj;
-        long n_tokens = attr_long(lane, "n_tokens"), batches = attr_long(lane, "batches");
-        PyObject *t = PyLong_FromLong(n_tokens + 1), *b = PyLong_FromLong(batches + 1);
-        if (t == NULL || b == NULL || PyObject_SetAttrString(lane, "n_tokens", t) < 0
-            || PyObject_SetAttrString(lane, "batches", b) < 0 || PyObject_SetAttrString(lane, "last_used", when) < 0)
-            rc = -1;
-        Py_XDECREF(t);
-        Py_XDECREF(b);
+        for (int f = 0; f < 3; f++)
+            if ((was[j][f] = PyObject_GetAttrString(lane, fields[f])) == NULL) goto out;
+        for (int f = 0; f < 2; f++) {
+            long v = PyLong_AsLong(was[j][f]);
+            if (v == -1 && PyErr_Occurred()) goto out;
+            if (v < 0 || v == LONG_MAX) {
+                PyErr_Format(PyExc_ValueError, "FramePath: a lane's %s is %ld", fields[f], v);
+                goto out;
+            }
+            if ((now[j][f] = PyLong_FromLong(v + 1)) == NULL) goto out;
+        }
+        if (j > 0) now[j][2] = Py_NewRef(now[0][2]);
     }
-    Py_DECREF(when);
+    for (; written < fr->n; written++)
+        for (int f = 0; f < 3; f++)
+            if (PyObject_SetAttrString(fr->entries[written].lane_obj, fields[f], now[written][f]) < 0) {
+                written++; /* this one may be partly written: put back too */
+                goto out;
+            }
+    rc = 0;
+out:
+    if (rc < 0 && written > 0) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        for (int j = 0; j < written; j++)
+            for (int f = 0; f < 3; f++)
+                if (PyObject_SetAttrString(fr->entries[j].lane_obj, fields[f], was[j][f]) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    for (int j = 0; j < fr->n; j++)
+        for (int f = 0; f < 3; f++) {
+            Py_XDECREF(was[j][f]);
+            Py_XDECREF(now[j][f]);
+        }
     return rc;
 }
 
-/* history[pos:] = [token_id] (the fed token, if it came along) + [sampled], as the runtime does. */
-static int extend_histories(FramePath *self, frame_t *fr) {
+/* What extend_histories changed, to put back: each entry's history list (a reference), where its
+ * change began, what stood there, whether the list was made for it. */
+typedef struct {
+    int n;
+    PyObject *history[MAX_ENTRIES], *tail[MAX_ENTRIES];
+    Py_ssize_t cut[MAX_ENTRIES];
+    int created[MAX_ENTRIES];
+} history_undo_t;
+
+/* The histories as they were before extend_histories (an error in flight kept); the references let go. */
+static void undo_histories(FramePath *self, frame_t *fr, history_undo_t *u) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (int j = u->n - 1; j >= 0; j--) {
+        if (u->tail[j] != NULL && PyList_SetSlice(u->history[j], u->cut[j], PY_SSIZE_T_MAX, u->tail[j]) < 0)
+            PyErr_Clear();
+        if (u->created[j] && PyDict_GetItemWithError(self->histories, fr->entries[j].sid_obj) == u->history[j]
+            && PyDict_DelItem(self->histories, fr->entries[j].sid_obj) < 0)
+            PyErr_Clear();
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, tb);
+}
+
+static void release_history_undo(history_undo_t *u) {
+    for (int j = 0; j < u->n; j++) {
+        Py_CLEAR(u->history[j]);
+        Py_CLEAR(u->tail[j]);
+    }
+    u->n = 0;
+}
+
+/* history[pos:] = [token_id] (the fed token, if it came along) + [sampled], as the runtime does;
+ * all of it, or (an error raised) none: what it changed is put back. ``u`` keeps what undoes it. */
+static int extend_histories(FramePath *self, frame_t *fr, history_undo_t *u) {
     for (int j = 0; j < fr->n; j++) {
         entry_t *e = &fr->entries[j];
+        int created = 0;
         PyObject *history = PyDict_GetItemWithError(self->histories, e->sid_obj);
         if (history == NULL) {
-            if (PyErr_Occurred()) return -1;
+            if (PyErr_Occurred()) goto fail;
             history = PyList_New(0);
-            if (history == NULL || PyDict_SetItem(self->histories, e->sid_obj, history) < 0) {
-                Py_XDECREF(history);
-                return -1;
+            if (history == NULL) goto fail;
+            if (PyDict_SetItem(self->histories, e->sid_obj, history) < 0) {
+                Py_DECREF(history);
+                goto fail;
             }
-            Py_DECREF(history); /* the dict holds it */
+            Py_DECREF(history); /* the dict holds it; u takes its own below */
+            created = 1;
         }
-        if (!PyList_Check(history)) return -1;
-        if (e->n_tok) {
-            if (e->pos < PyList_GET_SIZE(history) && PyList_SetSlice(history, e->pos, PyList_GET_SIZE(history), NULL) < 0)
-                return -1;
-            PyObject *t = PyLong_FromLongLong(e->token);
-            if (t == NULL || PyList_Append(history, t) < 0) {
-                Py_XDECREF(t);
-                return -1;
-            }
-            Py_DECREF(t);
+        u->history[j] = Py_NewRef(history);
+        u->created[j] = created;
+        u->n = j + 1;
+        if (!PyList_Check(history)) {
+            PyErr_Format(PyExc_TypeError, "FramePath: session %R's history is not a list", e->sid_obj);
+            goto fail;
         }
-        PyObject *s = PyLong_FromLong(e->sampled);
-        if (s == NULL || PyList_Append(history, s) < 0) {
-            Py_XDECREF(s);
-            return -1;
-        }
-        Py_DECREF(s);
+        Py_ssize_t len = PyList_GET_SIZE(history);
+        u->cut[j] = e->n_tok && e->pos < len ? (Py_ssize_t)e->pos : len;
+        if ((u->tail[j] = PyList_GetSlice(history, u->cut[j], len)) == NULL) goto fail;
+        if (u->cut[j] < len && PyList_SetSlice(history, u->cut[j], len, NULL) < 0) goto fail;
+        PyObject *t = e->n_tok ? PyLong_FromLongLong(e->token) : NULL, *s = PyLong_FromLong(e->sampled);
+        int bad = (e->n_tok && t == NULL) || s == NULL || (t != NULL && PyList_Append(history, t) < 0)
+                  || PyList_Append(history, s) < 0;
+        Py_XDECREF(t);
+        Py_XDECREF(s);
+        if (bad) goto fail;
     }
     return 0;
+fail:
+    undo_histories(self, fr, u);
+    return -1;
 }
 
 /* llama.cpp's greedy sampler, exactly: the first index whose logit no later one exceeds (NaN
@@ -629,7 +715,7 @@ static void release_entries(frame_t *fr) {
 
 /* An inner stage's next frame: HopRequest{request: IterationBatchRequest{request_id, the entries as
  * they came, frame: ActivationFrame{descriptor, rows}, return_key}, timeout_s, relay, sent_unix_ns}
- * after a 5-byte frame header; its total length (0: no memory). ``rows`` in entry order. */
+ * after a 5-byte frame header; its total length (0: an error set). ``rows`` in entry order. */
 static size_t encode_forward(FramePath *self, const frame_t *fr, const char *key, size_t key_len, double timeout_s,
                              const float *rows, uint8_t **out) {
     size_t payload = (size_t)fr->n * (size_t)self->n_embd * 4;
@@ -645,8 +731,12 @@ static size_t encode_forward(FramePath *self, const frame_t *fr, const char *key
     for (int j = 0; j < fr->n; j++) request += 1 + varint_len(fr->entries[j].raw_len) + fr->entries[j].raw_len;
     uint64_t sent = now_unix_ns();
     size_t body = 1 + varint_len(request) + request + 9 + (fr->relay ? 2 : 0) + 1 + varint_len(sent);
+    if (!frame_length_fits(body)) return 0;
     uint8_t *start = PyMem_Malloc(5 + body), *p = start;
-    if (start == NULL) return 0;
+    if (start == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
     uint32_t length = (uint32_t)(body + 1);
     *p++ = (uint8_t)(length >> 24);
     *p++ = (uint8_t)(length >> 16);
@@ -702,7 +792,7 @@ static PyObject *run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObjec
 static PyObject *FramePath_run(FramePath *self, PyObject *args) {
     Py_buffer body;
     PyObject *sock, *send_lock, *sink;
-    if (!PyArg_ParseTuple(args, "y*OOO", &body, &sock, &send_lock, &sink)) return NULL;
+    if (!path_ready(self) || !PyArg_ParseTuple(args, "y*OOO", &body, &sock, &send_lock, &sink)) return NULL;
     frame_t *fr = PyMem_Malloc(sizeof(frame_t));
     if (fr == NULL) {
         PyBuffer_Release(&body);
@@ -832,12 +922,31 @@ static PyObject *run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObjec
             self->seq_rm(self->mem, fr->entries[j].lane, (int32_t)fr->entries[j].pos, -1);
     Py_END_ALLOW_THREADS
     if (rc == 0) {
-        if (self->final && extend_histories(self, fr) < 0) goto fail;
-        if (call_method(self->lanes_lock, "acquire") < 0) goto fail;
-        lanes_locked = 1;
-        int adv = advance_lanes(self, fr);
-        lanes_locked = 0;
-        if (call_method(self->lanes_lock, "release") < 0 || adv < 0) goto fail;
+        /* The bookkeeping after the decode, all of it or none: where any of it fails, the histories
+         * and lanes are as they were and the KV the decode wrote is cut back, as after a failed
+         * decode; the error goes up. */
+        history_undo_t undo = {0};
+        int kept = !self->final || extend_histories(self, fr, &undo) == 0;
+        if (kept && call_method(self->lanes_lock, "acquire") < 0) {
+            kept = 0;
+            undo_histories(self, fr, &undo);
+        } else if (kept && advance_lanes(self, fr) < 0) {
+            kept = 0;
+            undo_histories(self, fr, &undo);
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (call_method(self->lanes_lock, "release") < 0) PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        } else if (kept && call_method(self->lanes_lock, "release") < 0) {
+            release_history_undo(&undo);
+            goto fail; /* all of it done; the lock's error goes up */
+        }
+        release_history_undo(&undo);
+        if (!kept) {
+            for (int j = 0; j < fr->n; j++)
+                self->seq_rm(self->mem, fr->entries[j].lane, (int32_t)fr->entries[j].pos, -1);
+            goto fail;
+        }
     }
     locked = 0;
     if (call_method(self->compute_lock, "release") < 0) goto fail;
@@ -865,10 +974,7 @@ static PyObject *run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObjec
         if (key == NULL) goto fail;
         len = encode_forward(self, fr, key, (size_t)key_len, forward_timeout(self, fr->timeout_s), forward_rows, &msg);
     }
-    if (len == 0) {
-        PyErr_NoMemory();
-        goto fail;
-    }
+    if (len == 0) goto fail; /* the encoder set the error */
     int status = 0;
     if (call_method(send_lock, "acquire") < 0) goto fail;
     int fd = PyObject_AsFileDescriptor(sock);
@@ -968,16 +1074,39 @@ static void sync_dealloc(PyObject *self, pthread_mutex_t *mu, pthread_cond_t *co
     Py_TYPE(self)->tp_free(self);
 }
 
-/* A wait's seconds from a Python float or None (None: no limit, -1 here; negative or NaN: 0). */
-static int timeout_arg(PyObject *arg, double *timeout) {
-    *timeout = -1;
-    if (arg == Py_None) return 0;
-    *timeout = PyFloat_AsDouble(arg);
-    if (*timeout == -1 && PyErr_Occurred()) return -1;
-    if (!(*timeout >= 0)) *timeout = 0;
-    if (*timeout > 1e6) *timeout = 1e6;
+/* A wait's seconds, finite and >= 0 (a NaN deadline makes pthread_cond_timedwait fail with EINVAL,
+ * which no caller may mistake for "not yet"): else ValueError naming ``who``. Capped at 1e6 s. */
+static int timeout_checked(double seconds, const char *who, double *timeout) {
+    if (!isfinite(seconds) || seconds < 0) {
+        PyObject *got = PyFloat_FromDouble(seconds);
+        if (got != NULL) {
+            PyErr_Format(PyExc_ValueError, "%s: timeout_s must be finite and >= 0, got %R", who, got);
+            Py_DECREF(got);
+        }
+        return -1;
+    }
+    *timeout = seconds > 1e6 ? 1e6 : seconds;
     return 0;
 }
+
+/* A wait's seconds from a Python float or None (None: no limit, -1 here); see timeout_checked. */
+static int timeout_arg(PyObject *arg, const char *who, double *timeout) {
+    *timeout = -1;
+    if (arg == Py_None) return 0;
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1 && PyErr_Occurred()) return -1;
+    return timeout_checked(seconds, who, timeout);
+}
+
+/* One timed wait on a CLOCK_MONOTONIC condition: 1 to wait on (woken, or spuriously), 0 to stop
+ * (the deadline passed, or any other error: EINVAL would otherwise return at once forever, a spin
+ * holding ``mu``). */
+static int timed_wait(pthread_cond_t *cond, pthread_mutex_t *mu, const struct timespec *until) {
+    return pthread_cond_timedwait(cond, mu, until) == 0;
+}
+
+/* An untimed wait: 1 to wait on, 0 on an error (never expected; a spin otherwise). */
+static int untimed_wait(pthread_cond_t *cond, pthread_mutex_t *mu) { return pthread_cond_wait(cond, mu) == 0; }
 
 /* -- a handler's wake-up, rung without the GIL ----------------------------------------------------
  *
@@ -1027,17 +1156,14 @@ static PyObject *Bell_wait(Bell *self, PyObject *arg) {
         PyErr_SetString(PyExc_RuntimeError, "Bell: not initialised");
         return NULL;
     }
-    if (timeout_arg(arg, &timeout) < 0) return NULL;
+    if (timeout_arg(arg, "Bell.wait", &timeout) < 0) return NULL;
     int got;
     Py_BEGIN_ALLOW_THREADS
     struct timespec until = monotonic_after(timeout >= 0 ? timeout : 0);
     pthread_mutex_lock(&self->mu);
-    while (!self->rung) {
-        if (timeout < 0)
-            pthread_cond_wait(&self->cond, &self->mu);
-        else if (pthread_cond_timedwait(&self->cond, &self->mu, &until) == ETIMEDOUT)
+    while (!self->rung)
+        if (!(timeout < 0 ? untimed_wait(&self->cond, &self->mu) : timed_wait(&self->cond, &self->mu, &until)))
             break;
-    }
     got = self->rung;
     self->rung = 0;
     pthread_mutex_unlock(&self->mu);
@@ -1098,7 +1224,8 @@ static void gate_in(Gate *g) {
     pthread_mutex_unlock(&g->mu);
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g->mu);
-    while (g->closed) pthread_cond_wait(&g->cond, &g->mu);
+    while (g->closed)
+        if (!untimed_wait(&g->cond, &g->mu)) break;
     g->passing++;
     pthread_mutex_unlock(&g->mu);
     Py_END_ALLOW_THREADS
@@ -1134,12 +1261,8 @@ static PyObject *Gate_exit(Gate *self, PyObject *Py_UNUSED(args)) {
 /* Wait (mutex held) until none is passing or ``until``; returns whether none is. */
 static int gate_wait_none(Gate *g, double timeout, const struct timespec *until) {
     g->waiting++;
-    while (g->passing > 0) {
-        if (timeout < 0)
-            pthread_cond_wait(&g->cond, &g->mu);
-        else if (pthread_cond_timedwait(&g->cond, &g->mu, until) == ETIMEDOUT)
-            break;
-    }
+    while (g->passing > 0)
+        if (!(timeout < 0 ? untimed_wait(&g->cond, &g->mu) : timed_wait(&g->cond, &g->mu, until))) break;
     g->waiting--;
     return g->passing == 0;
 }
@@ -1148,12 +1271,13 @@ static int gate_wait_none(Gate *g, double timeout, const struct timespec *until)
  * wait up to ``timeout_s`` for those passing to leave; whether they all did. ``open`` undoes it. */
 static PyObject *Gate_close(Gate *self, PyObject *arg) {
     double timeout;
-    if (!gate_ready(self) || timeout_arg(arg, &timeout) < 0) return NULL;
+    if (!gate_ready(self) || timeout_arg(arg, "Gate.close", &timeout) < 0) return NULL;
     int drained;
     Py_BEGIN_ALLOW_THREADS
     struct timespec until = monotonic_after(timeout >= 0 ? timeout : 0);
     pthread_mutex_lock(&self->mu);
-    while (self->closed) pthread_cond_wait(&self->cond, &self->mu); /* one hand-off at a time */
+    while (self->closed) /* one hand-off at a time */
+        if (!untimed_wait(&self->cond, &self->mu)) break;
     self->closed = 1;
     drained = gate_wait_none(self, timeout, &until);
     pthread_mutex_unlock(&self->mu);
@@ -1173,7 +1297,7 @@ static PyObject *Gate_open(Gate *self, PyObject *Py_UNUSED(ignored)) {
 /* wait_idle(timeout_s) -> bool: whether none is passing, waiting up to ``timeout_s`` for it. */
 static PyObject *Gate_wait_idle(Gate *self, PyObject *arg) {
     double timeout;
-    if (!gate_ready(self) || timeout_arg(arg, &timeout) < 0) return NULL;
+    if (!gate_ready(self) || timeout_arg(arg, "Gate.wait_idle", &timeout) < 0) return NULL;
     int idle;
     Py_BEGIN_ALLOW_THREADS
     struct timespec until = monotonic_after(timeout >= 0 ? timeout : 0);
@@ -1239,11 +1363,13 @@ typedef struct {
 
 static int ReturnWait_init(ReturnWait *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"n_vocab", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "i", names, &self->n_vocab)) return -1;
-    if (self->n_vocab <= 0) {
+    int n_vocab;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i", names, &n_vocab)) return -1;
+    if (n_vocab <= 0) {
         PyErr_SetString(PyExc_ValueError, "ReturnWait: n_vocab must be positive");
         return -1;
     }
+    self->n_vocab = n_vocab;
     if (!self->ready) {
         monotonic_cond_init(&self->cond, &self->mu);
         self->ready = 1;
@@ -1251,12 +1377,24 @@ static int ReturnWait_init(ReturnWait *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* ``settled`` may be any object (an exception whose traceback reaches this wait): GC support. */
+static int ReturnWait_traverse(ReturnWait *self, visitproc visit, void *arg) {
+    Py_VISIT(self->settled);
+    return 0;
+}
+
+static int ReturnWait_clear(ReturnWait *self) {
+    Py_CLEAR(self->settled);
+    return 0;
+}
+
 static void ReturnWait_dealloc(ReturnWait *self) {
+    PyObject_GC_UnTrack(self);
     if (self->ready) {
         pthread_cond_destroy(&self->cond);
         pthread_mutex_destroy(&self->mu);
     }
-    Py_XDECREF(self->settled);
+    ReturnWait_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1419,7 +1557,9 @@ static PyMethodDef ReturnWait_methods[] = {
 static PyTypeObject ReturnWaitType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._frames.ReturnWait",
     .tp_basicsize = sizeof(ReturnWait),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)ReturnWait_traverse,
+    .tp_clear = (inquiry)ReturnWait_clear,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)ReturnWait_init,
     .tp_dealloc = (destructor)ReturnWait_dealloc,
@@ -1438,41 +1578,61 @@ static PyTypeObject ReturnWaitType = {
 
 typedef struct {
     PyObject_HEAD
-    int fd;
+    int fd; /* its own duplicate of the link's descriptor (-1: none), closed with the reader */
     uint8_t *buf;
     size_t cap, start, end; /* buffered bytes: buf[start:end] */
     size_t max_message;
 } FrameReader;
 
+/* The reader reads its own duplicate of ``fd``, closed only with the reader: the number it reads
+ * cannot be closed and handed to another socket while it reads without the GIL (the link's
+ * ``close`` shuts the connection down first, which ends the read; FrameSocket.close). Initialised
+ * once: a second ``__init__`` is refused, as the first may be reading meanwhile. */
 static int FrameReader_init(FrameReader *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"fd", "max_message_bytes", "buffered", NULL};
     Py_buffer buffered = {0};
     Py_ssize_t max_message;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "in|y*", names, &self->fd, &max_message, &buffered)) return -1;
-    if (self->fd < 0 || max_message <= 0) {
+    int fd;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "in|y*", names, &fd, &max_message, &buffered)) return -1;
+    if (fd < 0 || max_message <= 0) {
         PyBuffer_Release(&buffered);
         PyErr_SetString(PyExc_ValueError, "FrameReader: a descriptor and a positive max_message_bytes");
         return -1;
     }
-    self->max_message = (size_t)max_message;
     size_t cap = 1 << 16;
     if ((size_t)buffered.len > cap) cap = (size_t)buffered.len;
-    PyMem_RawFree(self->buf);
-    self->buf = PyMem_RawMalloc(cap);
-    if (self->buf == NULL) {
+    uint8_t *buf = PyMem_RawMalloc(cap);
+    if (buf == NULL) {
         PyBuffer_Release(&buffered);
         PyErr_NoMemory();
         return -1;
     }
+    if (self->buf != NULL) { /* another thread may be reading it without the GIL: never swapped */
+        PyMem_RawFree(buf);
+        PyBuffer_Release(&buffered);
+        PyErr_SetString(PyExc_RuntimeError, "FrameReader: already reading a link (make a new reader)");
+        return -1;
+    }
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) {
+        PyMem_RawFree(buf);
+        PyBuffer_Release(&buffered);
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (buffered.len) memcpy(buf, buffered.buf, (size_t)buffered.len);
+    self->buf = buf;
+    self->fd = own;
+    self->max_message = (size_t)max_message;
     self->cap = cap;
     self->start = 0;
     self->end = (size_t)buffered.len;
-    if (buffered.len) memcpy(self->buf, buffered.buf, (size_t)buffered.len);
     PyBuffer_Release(&buffered);
     return 0;
 }
 
 static void FrameReader_dealloc(FrameReader *self) {
+    if (self->buf != NULL) close(self->fd);
     PyMem_RawFree(self->buf);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1568,6 +1728,10 @@ static int reader_whole_after(FrameReader *self, size_t skip) {
  * Raises OSError when the read fails. ``wait`` (a ReturnWait, or None) takes its tokens here. */
 static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
     ReturnWait *wait = NULL;
+    if (self->buf == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "FrameReader: not initialised");
+        return NULL;
+    }
     if (arg != Py_None) {
         if (!PyObject_TypeCheck(arg, &ReturnWaitType)) {
             PyErr_SetString(PyExc_TypeError, "FrameReader.next: a ReturnWait or None");
@@ -1586,14 +1750,16 @@ static PyObject *FrameReader_next(FrameReader *self, PyObject *arg) {
 /* readable() -> whether a whole message is buffered already (or a length ``next`` refuses), so
  * ``next`` would not wait for the peer: what FrameSocket.readable answers for the Python reader. */
 static PyObject *FrameReader_readable(FrameReader *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->buf == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "FrameReader: not initialised");
+        return NULL;
+    }
     return PyBool_FromLong(reader_whole_after(self, 0));
 }
 
 static PyMethodDef FrameReader_methods[] = {
     {"next", (PyCFunction)FrameReader_next, METH_O,
      "next(wait) -> (kind, body), (-1, why) for a length it cannot read past, or None once closed"},
-    {"readable", (PyCFunction)FrameReader_readable, METH_NOARGS,
-     "readable() -> whether a whole message is buffered (next would not wait for the peer)"},
     {"readable", (PyCFunction)FrameReader_readable, METH_NOARGS,
      "readable() -> whether a whole message is buffered (next would not wait for the peer)"},
     {NULL, NULL, 0, NULL},
@@ -1658,6 +1824,7 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
                           &token, &draws, &limit, &eog, &timeout, &sock, &send_lock, &gate_pass, &stage, &downstream,
                           &link, &on_token, &bell_obj))
         return NULL;
+    if (!path_ready(self) || timeout_checked(timeout, "FramePath.lone", &timeout) < 0) return NULL;
     if (!PyObject_TypeCheck(gate_pass, &GateType) || !((Gate *)gate_pass)->ready) {
         PyErr_SetString(PyExc_TypeError, "FramePath.lone: gate_pass must be the stage's initialised Gate");
         return NULL;
@@ -1787,7 +1954,7 @@ static PyObject *FramePath_lone(FramePath *self, PyObject *args) {
         struct timespec until = monotonic_after(timeout + 0.05);
         pthread_mutex_lock(&wait->mu);
         while (wait->state == W_WAITING)
-            if (pthread_cond_timedwait(&wait->cond, &wait->mu, &until) == ETIMEDOUT) break;
+            if (!timed_wait(&wait->cond, &wait->mu, &until)) break;
         state = wait->state;
         pthread_mutex_unlock(&wait->mu);
         Py_END_ALLOW_THREADS
@@ -1873,7 +2040,13 @@ static int serve_end(PyObject *end, PyObject *held, PyObject *done, PyObject *bo
 static PyObject *FramePath_serve(FramePath *self, PyObject *args) {
     FrameReader *reader;
     PyObject *begin, *end, *sink, *done_list = Py_None;
-    if (!PyArg_ParseTuple(args, "O!OOO|O", &FrameReaderType, &reader, &begin, &end, &sink, &done_list)) return NULL;
+    if (!path_ready(self)
+        || !PyArg_ParseTuple(args, "O!OOO|O", &FrameReaderType, &reader, &begin, &end, &sink, &done_list))
+        return NULL;
+    if (reader->buf == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "FramePath.serve: the FrameReader is not initialised");
+        return NULL;
+    }
     if (done_list != Py_None && !PyList_Check(done_list)) {
         PyErr_SetString(PyExc_TypeError, "FramePath.serve: done must be a list or None");
         return NULL;
@@ -1949,6 +2122,14 @@ static PyObject *FramePath_serve(FramePath *self, PyObject *args) {
     return result;
 }
 
+/* The Python objects a FramePath holds, in one place for init, traverse, clear and dealloc. */
+#define FRAMEPATH_OBJECTS(X)                                                                                  \
+    X(owner) X(compute_lock) X(lanes_lock) X(sessions) X(resident) X(histories) X(samplers) X(routes) X(classify) \
+    X(stage_id) X(sampling_kinds)
+
+/* The standard ownership pattern: every argument parsed into locals (borrowed) and checked first;
+ * only then are new references taken and the old ones (a second ``__init__``) released, so a
+ * failed init leaves the object as it was and dealloc releases only what the object holds. */
 static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"ctx", "mem", "decode", "logits_ith", "seq_rm", "batch", "pos", "seq", "out", "embd",
                             "capture", "token", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end",
@@ -1956,30 +2137,56 @@ static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
                             "compute_lock", "lanes_lock", "sessions", "resident", "histories", "samplers", "routes",
                             "classify", "stage_id", NULL};
     unsigned long long ctx, mem, decode, logits_ith, seq_rm, batch, pos, seq, out, embd, capture, token;
+    int n_embd, n_vocab, n_batch, layer_start, layer_end, stage_index, equal_split;
+    long cells_per_lane, kv_pool_tokens;
+    double hop_timeout_s;
+    PyObject *owner, *compute_lock, *lanes_lock, *sessions, *resident, *histories, *samplers, *routes, *classify,
+        *stage_id;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKKKKKKKiiiiiiplldOOOO!O!O!O!OOS", names, &ctx, &mem, &decode,
-                                     &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &capture, &token,
-                                     &self->n_embd, &self->n_vocab, &self->n_batch, &self->layer_start, &self->layer_end,
-                                     &self->stage_index, &self->equal_split, &self->cells_per_lane,
-                                     &self->kv_pool_tokens, &self->hop_timeout_s, &self->owner, &self->compute_lock,
-                                     &self->lanes_lock, &PyDict_Type, &self->sessions, &PyDict_Type, &self->resident,
-                                     &PyDict_Type, &self->histories, &PyDict_Type, &self->samplers, &self->routes,
-                                     &self->classify, &self->stage_id))
+                                     &logits_ith, &seq_rm, &batch, &pos, &seq, &out, &embd, &capture, &token, &n_embd,
+                                     &n_vocab, &n_batch, &layer_start, &layer_end, &stage_index, &equal_split,
+                                     &cells_per_lane, &kv_pool_tokens, &hop_timeout_s, &owner, &compute_lock,
+                                     &lanes_lock, &PyDict_Type, &sessions, &PyDict_Type, &resident, &PyDict_Type,
+                                     &histories, &PyDict_Type, &samplers, &routes, &classify, &stage_id))
         return -1;
     if (!ctx || !mem || !decode || !seq_rm || !batch || !pos || !seq || !out || !(embd || token) || (embd && token)
-        || self->n_embd <= 0 || self->n_vocab <= 0 || self->n_batch <= 0) {
+        || n_embd <= 0 || n_vocab <= 0 || n_batch <= 0) {
         PyErr_SetString(PyExc_ValueError, "FramePath needs every pointer and positive sizes");
+        return -1;
+    }
+    /* A frame's rows must fit the frame format's 32-bit length with room to spare (encoders check
+     * again before narrowing): MAX_ENTRIES rows of n_embd float32s under 1 GiB. */
+    if ((uint64_t)n_embd * 4u * MAX_ENTRIES >= (1u << 30)) {
+        PyErr_Format(PyExc_ValueError, "FramePath: n_embd=%d is too wide for a frame", n_embd);
+        return -1;
+    }
+    if (!isfinite(hop_timeout_s) || hop_timeout_s <= 0) {
+        PyErr_SetString(PyExc_ValueError, "FramePath: hop_timeout_s must be finite and positive");
         return -1;
     }
     /* A final stage samples (logits_ith) and has no capture; an inner one captures and routes; the
      * head (token ids in) captures and sends its own steps, whose keys it chose. */
-    self->final = capture == 0;
-    self->head = token != 0;
-    if ((self->final && !logits_ith) || (self->head && self->final)
-        || (!self->final && !self->head && self->routes == Py_None)) {
+    int final = capture == 0, head = token != 0;
+    if ((final && !logits_ith) || (head && final) || (!final && !head && routes == Py_None)) {
         PyErr_SetString(PyExc_ValueError,
-                         "FramePath: a final stage needs logits_ith, an inner one routes, the head captures");
+                        "FramePath: a final stage needs logits_ith, an inner one routes, the head captures");
         return -1;
     }
+    PyObject *sampling_kinds = PyDict_New();
+    if (sampling_kinds == NULL) return -1;
+    /* Checked: from here nothing fails. */
+    self->final = final;
+    self->head = head;
+    self->n_embd = n_embd;
+    self->n_vocab = n_vocab;
+    self->n_batch = n_batch;
+    self->layer_start = layer_start;
+    self->layer_end = layer_end;
+    self->stage_index = stage_index;
+    self->equal_split = equal_split;
+    self->cells_per_lane = cells_per_lane;
+    self->kv_pool_tokens = kv_pool_tokens;
+    self->hop_timeout_s = hop_timeout_s;
     self->ctx = (void *)(uintptr_t)ctx;
     self->mem = (void *)(uintptr_t)mem;
     self->decode = (decode_fn)(uintptr_t)decode;
@@ -1992,25 +2199,36 @@ static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     self->embd = (float *)(uintptr_t)embd;
     self->token = (int32_t *)(uintptr_t)token;
     self->capture = (struct skippy_capture *)(uintptr_t)capture;
-    PyObject *objs[] = {self->owner, self->compute_lock, self->lanes_lock, self->sessions, self->resident,
-                        self->histories, self->samplers, self->routes, self->classify, self->stage_id};
-    for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) Py_INCREF(objs[i]);
-    self->sampling_kinds = PyDict_New();
-    return self->sampling_kinds == NULL ? -1 : 0;
+#define TAKE(name) Py_XSETREF(self->name, Py_NewRef(name));
+    FRAMEPATH_OBJECTS(TAKE)
+#undef TAKE
+    Py_DECREF(sampling_kinds); /* Py_NewRef above took the object's own reference */
+    return 0;
+}
+
+/* Whether ``__init__`` has run (a bare ``FramePath.__new__`` holds nothing to run with). */
+static int path_ready(FramePath *self) {
+    if (self->owner == NULL) PyErr_SetString(PyExc_RuntimeError, "FramePath: not initialised");
+    return self->owner != NULL;
+}
+
+static int FramePath_traverse(FramePath *self, visitproc visit, void *arg) {
+#define VISIT(name) Py_VISIT(self->name);
+    FRAMEPATH_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int FramePath_clear(FramePath *self) {
+#define CLEAR(name) Py_CLEAR(self->name);
+    FRAMEPATH_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
 }
 
 static void FramePath_dealloc(FramePath *self) {
-    Py_XDECREF(self->owner);
-    Py_XDECREF(self->compute_lock);
-    Py_XDECREF(self->lanes_lock);
-    Py_XDECREF(self->sessions);
-    Py_XDECREF(self->resident);
-    Py_XDECREF(self->histories);
-    Py_XDECREF(self->samplers);
-    Py_XDECREF(self->routes);
-    Py_XDECREF(self->classify);
-    Py_XDECREF(self->stage_id);
-    Py_XDECREF(self->sampling_kinds);
+    PyObject_GC_UnTrack(self);
+    FramePath_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -2029,7 +2247,9 @@ static PyMethodDef FramePath_methods[] = {
 static PyTypeObject FramePathType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "skippy_stage.stage._frames.FramePath",
     .tp_basicsize = sizeof(FramePath),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)FramePath_traverse,
+    .tp_clear = (inquiry)FramePath_clear,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)FramePath_init,
     .tp_dealloc = (destructor)FramePath_dealloc,
