@@ -1,22 +1,16 @@
 """TLS, mutual TLS and a bearer token on every listener and every hop.
 
-Certificates are made by the test itself (``cryptography``): one CA, one certificate per
-stage (server and client use), one client certificate, and an impostor from another CA.
+Certificates are made by the test itself (``support.pki``): one CA, one certificate for the
+stages (server and client use), one client certificate, and an impostor from another CA.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.pipeline import reference_texts
+from support.pki import write_pki
 
 from skippy_stage.security import Credentials
 from skippy_stage.v1 import stage_pb2 as pb
@@ -26,60 +20,9 @@ TOKEN = "s3cret-token"
 PROMPT, MAX_TOKENS = "The capital of France is", 8
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def make_ca(cn: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    return key, cert
-
-
-def make_leaf(ca_key, ca_cert, cn: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    return key, cert
-
-
-def pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def pem_cert(cert) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, ca = make_ca("skippy test CA")
-    stage_key, stage = make_leaf(ca_key, ca, "stage")
-    client_key, client = make_leaf(ca_key, ca, "client")
-    evil_ca_key, evil_ca = make_ca("impostor CA")
-    evil_key, evil = make_leaf(evil_ca_key, evil_ca, "impostor")
-    files = {"ca": pem_cert(ca), "stage_cert": pem_cert(stage), "stage_key": pem_key(stage_key),
-             "client_cert": pem_cert(client), "client_key": pem_key(client_key),
-             "evil_cert": pem_cert(evil), "evil_key": pem_key(evil_key), "token": TOKEN.encode()}
-    paths = {}
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-        paths[name] = str(d / name)
-    return files, paths
+    return write_pki(tmp_path_factory.mktemp("pki"), TOKEN)
 
 
 @pytest.fixture(scope="module")

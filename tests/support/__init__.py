@@ -1,2 +1,3 @@
 """What the tests share: in-process chains of runtimes (``chain``), clients of real stage
-processes (``pipeline``), and checks of the deployment files (``deploy``)."""
+processes (``pipeline``), certificates for TLS and token tests (``pki``), and checks of the
+deployment files (``deploy``)."""
