@@ -5,8 +5,9 @@ the nodes' memory budgets, and the KV settings; the output is a :class:`Plan`.
 
 Context is counted **per lane**: ``--ctx-size 4096 --lanes 8`` means every session may hold
 4096 tokens at once, so the stage config gets ``ctx_size = 4096 x 8`` cells and the KV cache
-grows linearly with both numbers. With ``kv_unified`` (the stage default) the lanes share that
-pool, so one session may also use more than its share while others are idle. A fixed
+grows linearly with both numbers. Each lane has its share of its own (``kv_unified: false``, the
+stage default); with ``kv_unified: true`` the lanes share the pool, so one session may also use
+more than its share while others are idle. A fixed
 overhead per node (runtime, compute buffers, Python) is charged too, 512 MiB by default.
 
 Layer ranges are contiguous and follow the node order (node 0 is the head). The split
