@@ -287,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write here instead of the cache")
     p.set_defaults(func=cmd_slice)
 
-    p = sub.add_parser("verify", help="prove a split of MODEL computes exactly what the unsplit model computes "
-                                      "(exit 0 only when bit-exact)")
+    p = sub.add_parser("verify", help="prove a split of MODEL computes exactly what llama-cpp-python computes on "
+                                      "the unsplit model (exit 0 only when bit-exact)")
     p.add_argument("model")
     p.add_argument("--layers", required=True, help="the split, e.g. 0:10,10:20,20:30")
     p.add_argument("--tokens", type=int, default=8, help="positions compared: half one prefill, half decoded")

@@ -51,6 +51,7 @@ class Step:
     sampling: SamplingParams | None = None
     fork_of: str | None = None  # a new session starting as a copy of this one's first ``start`` tokens
     draws_before: int = 0  # samples the session took before (a sampler built now skips their draws)
+    all_rows: bool = False  # the final stage computes every row as an output (llama-cpp-python's logits_all)
 
 
 class Chain:
@@ -88,7 +89,7 @@ class Chain:
                 entries = [
                     BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=e.hidden,
                                want_logits=s.want_logits, sample=s.sample, sampling=s.sampling, fork_of=e.fork_of,
-                               draws_before=s.draws_before)
+                               draws_before=s.draws_before, all_rows=s.all_rows)
                     for e, s in zip(entries, steps)
                 ]
             results = stage.run_batch(entries)

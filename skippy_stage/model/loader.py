@@ -219,25 +219,32 @@ _default_params_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _model_defaults(**fields: Any) -> Iterator[None]:
-    """Make ``llama_model_default_params`` return ``fields`` set, while Llama() builds its params.
+def _model_defaults(context: dict[str, Any] | None = None, **fields: Any) -> Iterator[None]:
+    """Make ``llama_model_default_params`` return ``fields`` set (and ``llama_context_default_params``
+    ``context`` set), while Llama() builds its params.
 
-    llama_cpp.Llama has no argument for use_extra_bufts; it starts from the library's
-    defaults, so those are what this adjusts (checked afterwards on ``llm.model_params``).
+    llama_cpp.Llama has no argument for use_extra_bufts, n_seq_max or kv_unified; it starts from the
+    library's defaults, so those are what this adjusts (checked afterwards on ``llm.model_params``).
     """
     from llama_cpp import llama_cpp as bindings
 
     original = bindings.llama_model_default_params
+    original_context = bindings.llama_context_default_params
 
     def patched() -> llama_cpp.llama_model_params:
         return set_fields(original(), **fields)
 
+    def patched_context() -> llama_cpp.llama_context_params:
+        return set_fields(original_context(), **(context or {}))
+
     with _default_params_lock:
         bindings.llama_model_default_params = patched
+        bindings.llama_context_default_params = patched_context
         try:
             yield
         finally:
             bindings.llama_model_default_params = original
+            bindings.llama_context_default_params = original_context
 
 
 def reference_policy(repack: bool | None = None) -> dict[str, Any]:
@@ -246,23 +253,54 @@ def reference_policy(repack: bool | None = None) -> dict[str, Any]:
     return {"use_extra_bufts": StageConfig.__dataclass_fields__["repack"].default if repack is None else repack}
 
 
-def reference_llama(model_path: str, *, repack: bool | None = None, **kwargs: Any) -> llama_cpp.Llama:
+def reference_llama(model_path: str, *, repack: bool | None = None, context: dict[str, Any] | None = None,
+                    **kwargs: Any) -> llama_cpp.Llama:
     """``llama_cpp.Llama(model_path, **kwargs)`` loaded the way stages load (repack off unless
     ``repack`` says otherwise: ``True`` is stock llama-cpp-python's loading on a CPU without AMX).
 
     The equivalence tests and the benchmark compare against this: on an AMX host the stock
     defaults crash (``repack=True`` is refused there as a stage refuses it), and elsewhere they
     would run other kernels than the stages do. Where llama.cpp lacks OpenMP it decodes on a
-    thread pool of its own, as stages do (``threadpool``).
+    thread pool of its own, as stages do (``threadpool``). ``context`` sets
+    ``llama_context_params`` fields ``Llama`` has no argument for.
     """
     from llama_cpp import Llama
 
     policy = reference_policy(repack)
     check_repack(policy["use_extra_bufts"], host_facts.host_info(), who="the reference model")
-    with _model_defaults(**policy):
+    with _model_defaults(context, **policy):
         llm = Llama(model_path=str(model_path), **kwargs)
     for name, value in policy.items():
         if getattr(llm.model_params, name) != value:
             raise ConfigError(f"the reference model was loaded with {name}={getattr(llm.model_params, name)!r}")
+    for name, value in (context or {}).items():
+        if getattr(llm.context_params, name) != value:
+            raise ConfigError(f"the reference context was made with {name}={getattr(llm.context_params, name)!r}")
     threadpool.for_llama(llm, os.environ)
     return llm
+
+
+def reference_llama_like(cfg: StageConfig, model_path: str | None = None, **kwargs: Any) -> llama_cpp.Llama:
+    """:func:`reference_llama` on the unsplit model with ``cfg``'s context and ``logits_all=True``:
+    the independent reference of an exactness proof.
+
+    Its context is the stage's: ``ctx_size`` cells, ``lane_count`` sequences (``n_seq_max``),
+    ``kv_unified``, the batch sizes, threads, attention and cache types. ``Llama.eval`` decodes
+    sequence 0 in ``n_batch`` chunks with every row an output; a stage held to it computes every row
+    too (``all_rows``), since the rows asked for change the last layer's batch shape. Batches of
+    several sequences go through ``llama_cpp.llama_decode`` on ``llm.ctx``.
+    """
+    if cfg.ctx_size is None:
+        raise ConfigError("the reference model needs the stages' ctx_size")
+    if cfg.flash_attn_type == "auto":
+        raise ConfigError("the reference model cannot load with flash_attn_type=auto (llama_cpp.Llama takes on/off)")
+    settings: dict[str, Any] = dict(
+        n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, n_threads=cfg.n_threads,
+        n_threads_batch=cfg.threads_batch, n_gpu_layers=cfg.n_gpu_layers, flash_attn=cfg.flash_attn_type == "enabled",
+        type_k=CACHE_TYPE_IDS[cfg.cache_type_k], type_v=CACHE_TYPE_IDS[cfg.cache_type_v],
+        offload_kqv=cfg.kv_offload, swa_full=cfg.swa_full, op_offload=cfg.op_offload,
+        logits_all=True, verbose=False,
+    )
+    settings.update(kwargs)
+    return reference_llama(model_path or cfg.model_path, repack=cfg.repack,
+                           context={"n_seq_max": cfg.lane_count, "kv_unified": cfg.kv_unified}, **settings)

@@ -2,7 +2,8 @@
 
 Each row is one ``skippy-stage verify`` run: a fixture of llama.cpp's test-llama-archs (random weights,
 deepened to 6+ layers) or a packaged real model, split in three with a one-layer stage. An architecture
-is accepted when every one of its rows is exact.
+is accepted when every one of its rows is exact: its logits bit-identical to llama-cpp-python's ``Llama`` on
+the unsplit model and to this project's runtime on it, its boundary hidden states to the latter's.
 """
 
 LLAMA_CPP_PYTHON = '0.3.36'

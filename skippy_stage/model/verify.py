@@ -1,17 +1,24 @@
 """The proof that a split computes what the unsplit model computes: ``skippy-stage verify``.
 
-Both sides run in this process through the stage runtime the servers use: the split as a
-chain of one :class:`StageRuntime` per range, the reference as one runtime over the whole
-model. They see the same batches (a prefill, then one token at a time), so llama.cpp's
-kernels see the same shapes on both sides; the decode feeds the reference's greedy token
-to both (teacher forcing), so every position compares like with like even after a miss.
+The split runs in this process through the stage runtime the servers use: a chain of one
+:class:`StageRuntime` per range. It is held to two unsplit references on the same tokens:
 
-The reference also taps its residual stream after each boundary layer, so a report says
-at which boundary a split stops being exact, not only that the logits differ. Logits are
-compared where the pipeline produces them: the last row of each step (the prefill's last
-position, then every decoded one). A split is exact when every difference is 0.0 and the
-reference computed finite values (NaN on both sides proves nothing): anything else is a
-different model, or no proof.
+* **llama-cpp-python** (``Llama(logits_all=True)`` loaded as stages load,
+  :func:`loader.reference_llama_like`): independent of this project's runtime, and with no
+  eval callback. This is the reference an exact split must equal.
+* **the project's own runtime over the whole model**, tapping its residual stream after
+  each boundary layer, so a report says at which boundary a split stops being exact, not
+  only that the logits differ.
+
+All three see the same batches (a prefill, then one token at a time, each one
+``llama_decode``) with every row an output (``logits_all``; the split's final stage asks for
+``all_rows``), so llama.cpp's kernels see the same shapes everywhere: kernels differ between
+one-row and larger batches on some CPUs. The decode feeds llama-cpp-python's greedy token to
+every side (teacher forcing), so every position compares like with like even after a miss.
+Logits are compared where the pipeline produces them: the last row of each step (the
+prefill's last position, then every decoded one). A split is exact when every difference is
+0.0 and the references computed finite values (NaN on both sides proves nothing): anything
+else is a different model, or no proof.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError
+from skippy_stage.model import loader
 from skippy_stage.model.chain import Chain, Step, chain_configs
 from skippy_stage.model.runtime import BatchEntry, StageRuntime
 from skippy_stage.model.slicing import ModelInfo, proving, read_model_info
@@ -46,14 +55,15 @@ class VerifyReport:
     positions: int
     prefill: int
     boundaries: tuple[Boundary, ...]
-    logits_max_abs_diff: float
+    logits_max_abs_diff: float  # vs the project's own runtime on the whole model
+    independent_max_abs_diff: float  # vs llama-cpp-python's Llama on the whole model
     greedy_agree: int
     greedy_total: int
     reference_finite: bool = True
 
     @property
     def exact(self) -> bool:
-        return (self.reference_finite and self.logits_max_abs_diff == 0.0
+        return (self.reference_finite and self.logits_max_abs_diff == 0.0 and self.independent_max_abs_diff == 0.0
                 and all(b.max_abs_diff == 0.0 for b in self.boundaries) and self.greedy_agree == self.greedy_total)
 
     @property
@@ -103,9 +113,17 @@ def verify(model: str | Path, ranges: Sequence[tuple[int, int]], *, tokens: int 
 
     The first half of the positions is one prefill batch, the rest decode one by one.
     """
+    (report,) = verify_splits(model, [ranges], tokens=tokens, seed=seed, cache_dir=cache_dir, n_threads=n_threads)
+    return report
+
+
+def verify_splits(model: str | Path, splits: Sequence[Sequence[tuple[int, int]]], *, tokens: int = 8, seed: int = 0,
+                  cache_dir: str | Path | None = None, n_threads: int | None = None) -> list[VerifyReport]:
+    """:func:`verify` for several splits of one model: the unsplit references load and run once."""
     info = read_model_info(model)
-    ranges = tuple((int(a), int(b)) for a, b in ranges)
-    check_split(ranges, info.block_count)
+    splits = [tuple((int(a), int(b)) for a, b in ranges) for ranges in splits]
+    for ranges in splits:
+        check_split(ranges, info.block_count)
     if tokens < 2:
         raise ConfigError(f"--tokens={tokens}: at least 2 positions (one prefill, one decode)")
     prefill = max(1, tokens // 2)
@@ -116,47 +134,81 @@ def verify(model: str | Path, ranges: Sequence[tuple[int, int]], *, tokens: int 
     with tempfile.TemporaryDirectory(prefix="skippy-verify-") as scratch, proving():
         cache = Path(cache_dir) if cache_dir is not None else Path(scratch)
         (whole_cfg,) = chain_configs(model, [(0, info.block_count)], cache, **settings)
-        boundary_layers = [b for _, b in ranges[:-1]]
-        reference = StageRuntime(whole_cfg, tap_layers=[b - 1 for b in boundary_layers])
-        try:
+        taps = sorted({b - 1 for ranges in splits for _, b in ranges[:-1]})
+        unsplit = _run_unsplit(whole_cfg, taps, prefill, seed, tokens)
+        reports = []
+        for ranges in splits:
             chain = Chain(chain_configs(model, ranges, cache, **settings))
             try:
-                return _compare(info, ranges, reference, chain, boundary_layers, tokens, prefill, seed)
+                reports.append(_compare(info, ranges, unsplit, chain))
             finally:
                 chain.close()
+        return reports
+
+
+@dataclass
+class _Unsplit:
+    """What the whole model computes, step by step: the feeds, and each step's last row."""
+
+    feeds: list[list[int]]
+    logits: list[np.ndarray]  # the project's own runtime
+    independent: list[np.ndarray]  # llama-cpp-python's Llama
+    taps: list[dict[int, np.ndarray]]  # the own runtime's residual stream after the tapped layers
+    finite: bool
+
+
+def _run_unsplit(cfg: StageConfig, tap_layers: list[int], prefill: int, seed: int, tokens: int) -> _Unsplit:
+    """Both references on the same batches: ``prefill`` tokens in one, then greedy tokens one by one."""
+    runtime = StageRuntime(cfg, tap_layers=tap_layers)
+    try:
+        prompt = prompt_tokens(runtime.n_vocab, prefill, seed)
+        llm = loader.reference_llama_like(cfg)
+        try:
+            out = _Unsplit([], [], [], [], True)
+            feed, start = prompt, 0
+            while start + len(feed) <= tokens:
+                positions = np.arange(start, start + len(feed))
+                (own,) = runtime.run_batch([BatchEntry(SESSION, positions, token_ids=feed, want_logits=True,
+                                                       all_rows=True)])
+                tapped = runtime.take_taps()
+                llm.eval(feed)  # one llama_decode (len(feed) <= n_batch), every row an output
+                independent = np.array(llm.scores[start + len(feed) - 1], dtype=np.float32)
+                out.finite = (out.finite and bool(np.isfinite(own.logits).all()) and bool(np.isfinite(independent).all())
+                              and all(np.isfinite(t).all() for t in tapped.values()))
+                out.feeds.append(list(feed))
+                out.logits.append(own.logits)
+                out.independent.append(independent)
+                out.taps.append(tapped)
+                start += len(feed)
+                feed = [int(np.argmax(independent))]
+            return out
         finally:
-            reference.close()
+            llm.close()
+    finally:
+        runtime.close()
 
 
-def _compare(info: ModelInfo, ranges: tuple[tuple[int, int], ...], reference: StageRuntime, chain: Chain,
-             boundary_layers: list[int], tokens: int, prefill: int, seed: int) -> VerifyReport:
-    feed = prompt_tokens(reference.n_vocab, prefill, seed)
-    start = 0
+def _compare(info: ModelInfo, ranges: tuple[tuple[int, int], ...], unsplit: _Unsplit, chain: Chain) -> VerifyReport:
+    boundary_layers = [b for _, b in ranges[:-1]]
     hidden_diff = dict.fromkeys(boundary_layers, 0.0)
-    logits_diff = 0.0
+    logits_diff = independent_diff = 0.0
     agree = 0
-    steps = 0
-    finite = True
-    while start + len(feed) <= tokens:
-        positions = np.arange(start, start + len(feed))
-        (ref,) = reference.run_batch([BatchEntry(SESSION, positions, token_ids=feed, want_logits=True)])
-        tapped = reference.take_taps()
-        finite = finite and bool(np.isfinite(ref.logits).all()) and all(np.isfinite(t).all() for t in tapped.values())
+    start = 0
+    for feed, own, independent, tapped in zip(unsplit.feeds, unsplit.logits, unsplit.independent, unsplit.taps):
         trace: list = []
-        (got,) = chain.step([Step(SESSION, start, feed, want_logits=True, sample=False)], trace)
+        (got,) = chain.step([Step(SESSION, start, feed, want_logits=True, sample=False, all_rows=True)], trace)
         for layer, stage_results in zip(boundary_layers, trace):
             hidden_diff[layer] = max(hidden_diff[layer], _max_diff(stage_results[0].hidden, tapped[layer - 1]))
-        logits_diff = max(logits_diff, _max_diff(got.logits, ref.logits))
-        want = int(np.argmax(ref.logits))
-        agree += int(int(np.argmax(got.logits)) == want)
-        steps += 1
+        logits_diff = max(logits_diff, _max_diff(got.logits, own))
+        independent_diff = max(independent_diff, _max_diff(got.logits, independent))
+        agree += int(int(np.argmax(got.logits)) == int(np.argmax(independent)))
         start += len(feed)
-        feed = [want]
     return VerifyReport(
         model=str(info.path), architecture=info.architecture, block_count=info.block_count,
-        layers=tuple(ranges), positions=start, prefill=prefill,
+        layers=tuple(ranges), positions=start, prefill=len(unsplit.feeds[0]),
         boundaries=tuple(Boundary(b, hidden_diff[b]) for b in boundary_layers),
-        logits_max_abs_diff=logits_diff, greedy_agree=agree, greedy_total=steps, reference_finite=finite,
+        logits_max_abs_diff=logits_diff, independent_max_abs_diff=independent_diff, greedy_agree=agree,
+        greedy_total=len(unsplit.feeds), reference_finite=unsplit.finite,
     )
 
 
@@ -178,7 +230,8 @@ def format_report(r: VerifyReport) -> str:
              f"split {r.split}: {r.positions} positions ({r.prefill} prefill, {r.positions - r.prefill} decode)"]
     for b in r.boundaries:
         lines.append(f"  boundary at layer {b.layer}: max |hidden diff| = {b.max_abs_diff:.6g}")
-    lines.append(f"  logits: max |diff| = {r.logits_max_abs_diff:.6g}")
+    lines.append(f"  logits: max |diff| = {r.independent_max_abs_diff:.6g} vs llama-cpp-python on the whole model, "
+                 f"{r.logits_max_abs_diff:.6g} vs this project's runtime on it")
     lines.append(f"  greedy agreement: {r.greedy_agree}/{r.greedy_total}")
     if not r.reference_finite:
         lines.append("  the unsplit model computes non-finite values here: nothing is proven")

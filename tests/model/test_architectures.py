@@ -3,8 +3,12 @@
 The fixtures are llama.cpp's own test models (tests/test-llama-archs.cpp of the pinned
 source, deepened to 6+ layers): the repository keeps their description
 (tests/fixtures/archs.jsonl.gz) and regenerates the random weights here. Each accepted
-fixture is split in three with a one-layer stage and run through ``verify`` against the
-unsplit model; the table in ``skippy_stage.model.proofs`` must say what these runs say.
+fixture is split in three with a one-layer stage, and in two at every boundary its layer rules
+allow, and run through ``verify``: the split's logits must be bit-identical (max |diff| == 0.0)
+to llama-cpp-python's ``Llama(logits_all=True)`` on the unsplit fixture, fed the same tokens in
+the same batches, and to this project's runtime on it (whose residual stream at each boundary
+the split's hidden states must equal too). The table in ``skippy_stage.model.proofs`` must say
+what these runs say.
 
 The same test's models as it saves them (2 layers for most, not deepened; their description is
 tests/fixtures/archs-as-saved.jsonl.gz) must each slice and verify exact, or be refused by name:
@@ -25,7 +29,7 @@ import pytest
 from skippy_stage.errors import ConfigError, UnsupportedModelError
 from skippy_stage.model import layer_rules, proofs, synthetic
 from skippy_stage.model.slicing import accepted_architectures, check_architecture
-from skippy_stage.model.verify import verify
+from skippy_stage.model.verify import verify, verify_splits
 
 DESCRIPTION = Path(__file__).resolve().parent.parent / "fixtures" / "archs.jsonl.gz"
 SPECS = synthetic.load_specs(DESCRIPTION)
@@ -67,9 +71,10 @@ def test_a_three_way_split_with_a_one_layer_stage_is_bit_exact(stem, tmp_path):
     model = synthetic.write_model(spec, tmp_path / f"{stem}.gguf", seed=42)
     report = verify(model, proven_split(stem), tokens=6)  # slices in a scratch directory, removed after
     model.unlink()
-    print(f"{stem}: split {report.split}, boundaries {[b.max_abs_diff for b in report.boundaries]}, "
-          f"logits {report.logits_max_abs_diff}, greedy {report.greedy_agree}/{report.greedy_total}")
-    assert report.exact
+    print(f"{stem}: split {report.split}, boundaries {[b.max_abs_diff for b in report.boundaries]}, logits "
+          f"{report.independent_max_abs_diff} vs llama-cpp-python, {report.logits_max_abs_diff} vs the runtime, "
+          f"greedy {report.greedy_agree}/{report.greedy_total}")
+    assert report.independent_max_abs_diff == 0.0 and report.exact
     check_architecture(spec.architecture)  # accepted outside verify too
 
 
@@ -121,23 +126,47 @@ def test_verify_command_exits_1_when_the_split_is_not_exact(fixture_dir):
     assert "NOT exact" in proc.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stem", EXACT)
 def test_every_allowed_two_way_split_is_bit_exact(stem, tmp_path):
+    """Every two-way split the layer rules allow, all of them (no sampling), in the default run.
+
+    What keeps it affordable: the fixture's unsplit references (this project's runtime and
+    llama-cpp-python's ``Llama``) load and run once for all its splits (``verify_splits``); only
+    each split's two stages are sliced and loaded per split.
+    """
     spec = SPECS[stem]
     model = synthetic.write_model(spec, tmp_path / f"{stem}.gguf", seed=42)
     kv = {k: v for k, _, _, v in spec.metadata}
-    ran = 0
+    splits = []
     for b in range(1, spec.block_count):
         split = [(0, b), (b, spec.block_count)]
         try:
             layer_rules.check_split(kv, spec.architecture, split)
         except ConfigError:
             continue  # refused before llama.cpp sees it: test_layer_rules pins why
-        report = verify(model, split, tokens=6)
-        assert report.exact, f"{stem} split at {b}"
-        ran += 1
-    assert ran > 0
+        splits.append(split)
+    assert splits
+    for report in verify_splits(model, splits, tokens=6):
+        assert report.exact, (f"{stem} split {report.split}: logits {report.independent_max_abs_diff} vs "
+                              f"llama-cpp-python, {report.logits_max_abs_diff} vs the runtime, boundaries "
+                              f"{[b.max_abs_diff for b in report.boundaries]}")
+
+
+PACKAGED = {str(r["fixture"]): r for rows in proofs.PROOFS.values() for r in rows if str(r["fixture"]).endswith(".gguf")}
+
+
+@pytest.mark.parametrize("name", sorted(PACKAGED))
+def test_the_packaged_models_proven_split_is_bit_exact_against_llama_cpp_python(name, slice_cache):
+    """The table's rows for the real models (SmolLM2-135M, Gemma-3-270M), rerun: logits identical to
+    llama-cpp-python's on the unsplit model, and boundaries to this project's runtime on it."""
+    from skippy_stage.model.packaged import gemma3_path, smollm2_path
+
+    path = next(p for p in (smollm2_path(), gemma3_path()) if Path(p).name == name)
+    ranges = [tuple(int(x) for x in part.split(":")) for part in str(PACKAGED[name]["split"]).split("/")]
+    report = verify(path, ranges, tokens=8, cache_dir=slice_cache)
+    print(f"{name}: split {report.split}, logits vs llama-cpp-python {report.independent_max_abs_diff}, "
+          f"vs the runtime {report.logits_max_abs_diff}, boundaries {[b.max_abs_diff for b in report.boundaries]}")
+    assert report.independent_max_abs_diff == 0.0 and report.exact
 
 
 def test_a_fixture_is_the_same_file_every_time_and_describes_back_to_its_description(tmp_path):
