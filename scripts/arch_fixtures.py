@@ -280,11 +280,11 @@ def write_table(rows: list[dict[str, object]]) -> None:
     )
 
 
-README = ROOT / "README.md"
+ARCHS_PAGE = ROOT / "docs" / "architectures.md"  # its archs markers hold the table
 
 
 def write_readme_table(rows: list[dict[str, object]]) -> None:
-    """The table between the README's archs markers: one row per proof."""
+    """The table between docs/architectures.md's archs markers: one row per proof."""
     lines = ["| architecture | dense/MoE | layers | split tested | max \\|diff\\| | verdict |",
              "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (str(r["architecture"]), str(r["fixture"]))):
@@ -292,11 +292,11 @@ def write_readme_table(rows: list[dict[str, object]]) -> None:
         verdict = "exact" if r["exact"] else "refused: " + str(r.get("reason", "not exact")).replace("|", "/")
         lines.append(f"| {r['architecture']} | {'MoE' if r['moe'] else 'dense'} | {r['layers']} | {r['split']} | "
                      f"{diff} | {verdict} |")
-    text = README.read_text()
+    text = ARCHS_PAGE.read_text()
     begin, end = "<!-- archs:begin -->\n", "<!-- archs:end -->"
     head, _, rest = text.partition(begin)
     _, _, tail = rest.partition(end)
-    README.write_text(head + begin + "\n".join(lines) + "\n" + end + tail)
+    ARCHS_PAGE.write_text(head + begin + "\n".join(lines) + "\n" + end + tail)
 
 
 def main() -> int:

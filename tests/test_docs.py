@@ -4,6 +4,7 @@ config field says what it does."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,21 @@ def test_every_config_field_has_a_description_and_a_row():
     for f in dataclasses.fields(StageConfig):
         assert len(docs.get(f.name, "")) > 20, f"StageConfig.{f.name} has no docstring saying what it does"
         assert f"| `{f.name}` |" in page
+
+
+# How the work that built the product was organised never appears in it: no working periods, their
+# numbers, or what was tried when.
+_PROCESS_WORDS = re.compile(r"(?i)\b(?:stops?|working[ ]periods?)\s+(?:\d+|of\b)|\buntil[ ]stop\b|\bsessions?[ ]of[ ]work\b")
+
+
+def test_no_file_in_the_repository_speaks_of_the_process_that_built_it():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = []
+    for name in files:
+        path = ROOT / name
+        if name.startswith("tests/fixtures/") or path.suffix in (".gz", ".so") or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if _PROCESS_WORDS.search(line):
+                found.append(f"{name}:{number}: {line.strip()[:120]}")
+    assert not found, "\n".join(found)

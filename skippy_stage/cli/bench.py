@@ -897,7 +897,8 @@ def run(json_path: str | None = None, settings: Sequence[str] = ()) -> dict[str,
 
 def _speculative(model: Path, workdir: Path, cache_dir: str) -> dict[str, dict[str, object]]:
     """3 stages, greedy, one stream: each prompt without speculation and with the ngram drafter
-    (k=8 drafted as the reference drafts, the default), interleaved in rounds (medians). ``tokens_per_trip``: decoded tokens
+    (``k: "auto"``, adaptive drafting: the speed setting; a number k drafts as the reference does, every
+    step up to k rows, which on a CPU can cost more than it saves), interleaved in rounds (medians). ``tokens_per_trip``: decoded tokens
     per decode step through the chain (the head's batches, from its metrics); ``ms_per_token``:
     after the first token."""
     (workdir / "speculative").mkdir()
@@ -907,7 +908,7 @@ def _speculative(model: Path, workdir: Path, cache_dir: str) -> dict[str, dict[s
     def one(prompt: str, drafter: str) -> tuple[float, float, float]:
         before = _scrape(head_metrics)
         figures = generate(pipeline.endpoint, prompt, max_tokens=SPEC_TOKENS, temperature=0.0, seed=None, chat=False,
-                           out=io.StringIO(), speculative={"drafter": drafter})
+                           out=io.StringIO(), speculative={"drafter": drafter, "k": "auto"})
         after = _scrape(head_metrics)
         steps, rows = (after.get(name, 0.0) - before.get(name, 0.0)
                        for name in ("skippy_batch_entries_count", "skippy_batch_tokens_sum"))
