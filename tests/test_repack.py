@@ -14,15 +14,11 @@ stages refuse ``repack: true`` there (tests/model/test_loader.py): nothing to co
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import llama_cpp
 import pytest
 from support.chain import EQUIVALENCE_PROMPTS
 from support.pipeline import PROMPTS, grpc_generate, reference_texts
+from support.up import running_up
 
 from skippy_stage.model import host
 
@@ -69,19 +65,7 @@ def test_gemma3_pipeline_with_repack_on_completes_exactly_what_stock_llama_compl
 
 def test_up_with_set_repack_true_completes_exactly_what_stock_llama_completes(gemma3, gemma3_stock, slice_cache):
     layers = ",".join(f"{a}:{b}" for a, b in GEMMA3_SPLIT)
-    proc = subprocess.Popen([sys.executable, "-m", "skippy_stage", "--log-level", "warning", "up", "--model",
-                             str(gemma3), "--layers", layers, "--ctx-size", "8192", "--set", "repack=true"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "SKIPPY_STAGE_CACHE": str(slice_cache)})
-    try:
-        endpoint = proc.stdout.readline().strip()
-        assert endpoint, f"up exited with {proc.wait()}"
+    with running_up("--model", str(gemma3), "--layers", layers, "--ctx-size", "8192", "--set", "repack=true",
+                    cache=slice_cache) as (endpoint, _):
         for prompt, text in zip(ALL_PROMPTS, gemma3_stock):
             assert grpc_generate(endpoint, prompt, MAX_TOKENS)[0] == text, prompt
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

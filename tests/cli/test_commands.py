@@ -26,6 +26,7 @@ import openai
 import pytest
 from support.pipeline import PROMPTS, reference_texts
 from support.pki import write_pki
+from support.up import SCRIPT
 
 from skippy_stage.cli.commands import DEMO_PROMPT
 from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
@@ -34,7 +35,6 @@ from skippy_stage.model.slicing import slice_metadata
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
-SCRIPT = Path(sys.executable).parent / "skippy-stage"
 TOKEN = "a-users-token"
 MAX_TOKENS = 16
 DEMO_MAX_TOKENS = 64  # demo's --max-tokens default

@@ -16,10 +16,7 @@ must import the installed package (with its compiled parts), never the current d
 from __future__ import annotations
 
 import io
-import os
-import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 from support.chat import TURNS, chat, reference_chat
+from support.up import SCRIPT, running_up
 
 from skippy_stage.cli.client import generate
 from skippy_stage.cli.local import free_ports
@@ -42,7 +40,6 @@ PROMPTS = ["A recipe for pancakes starts with", "The three primary colours are",
            "In 1969 the first people to walk on the Moon", "def fibonacci(n):", "The rain in Spain",
            "Photosynthesis is the process by which", "Once upon a time, in a village by the sea,"]
 CONCURRENT_TOKENS = 16
-SCRIPT = Path(sys.executable).parent / "skippy-stage"
 DECOY = 'raise ImportError("a decoy skippy_stage/ in the working directory was imported")\n'
 
 
@@ -66,25 +63,11 @@ def user_dir(tmp_path_factory) -> Path:
 def up(smollm2, slice_cache, user_dir):
     """``skippy-stage up --model M --stages 3 --http-port P`` and nothing else (its slice cache
     shared with the run), from ``user_dir``; yields (endpoint, http port, its stderr file)."""
-    assert SCRIPT.exists(), f"the console script is not installed beside {sys.executable}"
-    env = {**os.environ, "SKIPPY_STAGE_CACHE": str(slice_cache)}
-    env.pop("PYTHONPATH", None)
     http = free_ports("127.0.0.1", 1)[0]
     log = user_dir / "up.log"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([str(SCRIPT), "--log-level", "warning", "up", "--model", str(smollm2), "--stages", "3",
-                                 "--http-port", str(http)],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=user_dir)
-    try:
-        endpoint = proc.stdout.readline().strip()
-        assert endpoint, f"up exited with {proc.wait()} before printing the head endpoint: {log.read_text()}"
+    with running_up("--model", str(smollm2), "--stages", "3", "--http-port", str(http), cache=slice_cache,
+                    cwd=user_dir, log=log) as (endpoint, _):
         yield endpoint, http, log
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_up_beside_a_decoy_package_runs_the_installed_one_and_says_its_native_paths_are_loaded(up, user_dir):

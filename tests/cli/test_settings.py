@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import io
-import os
-import signal
 import subprocess
 import sys
 
 import grpc
 import pytest
+from support.up import running_up
 
 from skippy_stage.cli.client import generate
 from skippy_stage.cli.local import pipeline_configs
@@ -84,14 +83,8 @@ def test_the_commands_refuse_a_wrong_setting_before_starting_anything(smollm2, c
 
 
 def test_up_serves_with_the_settings_given(smollm2, slice_cache):
-    env = {**os.environ, "SKIPPY_STAGE_CACHE": str(slice_cache)}
-    proc = subprocess.Popen([sys.executable, "-m", "skippy_stage", "--log-level", "warning", "up", "--model",
-                             str(smollm2), "--stages", "2", "--set", "kv_unified=true", "--set", "ctx_size=4096",
-                             "--set", "stage-1.lane_count=2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        endpoint = proc.stdout.readline().strip()
-        assert endpoint, f"up exited with {proc.wait()}"
+    with running_up("--model", str(smollm2), "--stages", "2", "--set", "kv_unified=true", "--set", "ctx_size=4096",
+                    "--set", "stage-1.lane_count=2", cache=slice_cache) as (endpoint, _):
         with grpc.insecure_channel(endpoint) as channel:
             head = pb_grpc.StageServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
         with grpc.insecure_channel(head.downstream_endpoint) as channel:
@@ -107,9 +100,3 @@ def test_up_serves_with_the_settings_given(smollm2, slice_cache):
                                                            temperature=0)["choices"][0]["text"]
         finally:
             llm.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()

@@ -14,23 +14,19 @@ name (``--draft-k auto``); it is checked here only to be accepted.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import openai
 import pytest
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+from support.up import SCRIPT, running_up
 
 from skippy_stage.cli.client import add_speculative_flags, speculative_flags
 from skippy_stage.cli.local import free_ports
 from skippy_stage.config import AUTO_DRAFT_K, SpeculativeConfig
 from skippy_stage.model.loader import reference_llama
 
-SCRIPT = Path(sys.executable).parent / "skippy-stage"
 HEAD_K = 4  # up's --draft-k: what an API request with no speculative setting of its own gets
 KS = (2, 4, 8)
 # Answers cut by max_tokens at the last kept draft, at most CUT_TOKENS in, with more drafted rows
@@ -130,24 +126,10 @@ def up(smollm2, slice_cache, tmp_path_factory):
     """``skippy-stage up --model M --stages 3 --http-port P --speculative ngram --draft-k 4``;
     yields (head endpoint, http port)."""
     here = tmp_path_factory.mktemp("user")
-    env = {**os.environ, "SKIPPY_STAGE_CACHE": str(slice_cache)}
-    env.pop("PYTHONPATH", None)
     http = free_ports("127.0.0.1", 1)[0]
-    log = here / "up.log"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([str(SCRIPT), "--log-level", "warning", "up", "--model", str(smollm2), "--stages", "3",
-                                 "--http-port", str(http), "--speculative", "ngram", "--draft-k", str(HEAD_K)],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=here)
-    try:
-        endpoint = proc.stdout.readline().strip()
-        assert endpoint, f"up exited with {proc.wait()} before printing the head endpoint: {log.read_text()}"
+    with running_up("--model", str(smollm2), "--stages", "3", "--http-port", str(http), "--speculative", "ngram",
+                    "--draft-k", str(HEAD_K), cache=slice_cache, cwd=here, log=here / "up.log") as (endpoint, _):
         yield endpoint, http
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.mark.parametrize("k", KS)
