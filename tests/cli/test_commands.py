@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from support.chat import reference_chat
 from support.pipeline import PROMPTS, reference_texts
 from support.pki import write_pki
 from support.up import SCRIPT
@@ -62,12 +63,7 @@ def status(endpoint: str) -> pb.StageStatus:
 
 
 def test_demo_prints_the_unsplit_models_chat_answer_to_its_prompt_and_exits_0(smollm2, slice_cache):
-    llm = reference_llama(smollm2, n_ctx=2048, verbose=False)
-    try:
-        answer = llm.create_chat_completion([{"role": "user", "content": DEMO_PROMPT}], temperature=0,
-                                            max_tokens=DEMO_MAX_TOKENS)["choices"][0]["message"]["content"]
-    finally:
-        llm.close()
+    [answer] = reference_chat(smollm2, [DEMO_PROMPT], DEMO_MAX_TOKENS)
 
     done = skippy("demo", env=cache_env(slice_cache))
 
@@ -146,12 +142,7 @@ def secure_generate(endpoint: str, paths: dict[str, str], *args: str, token: boo
 
 def test_generate_chat_over_mutual_tls_with_a_token_prints_the_unsplit_models_chat_answer(smollm2, secure_head, pki):
     _, paths = pki
-    llm = reference_llama(smollm2, n_ctx=2048, verbose=False)
-    try:
-        answer = llm.create_chat_completion([{"role": "user", "content": CHAT}], temperature=0,
-                                            max_tokens=MAX_TOKENS)["choices"][0]["message"]["content"]
-    finally:
-        llm.close()
+    [answer] = reference_chat(smollm2, [CHAT], MAX_TOKENS)
 
     done = secure_generate(secure_head, paths, "--chat", "--max-tokens", str(MAX_TOKENS), CHAT)
 
