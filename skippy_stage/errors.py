@@ -2,8 +2,8 @@
 
 Errors are raised where they are detected, as one of these types; the gRPC edge maps
 them to status codes in exactly one place (``stage.status.status_for``; the HTTP edge maps
-those to HTTP in ``server.openai_api.http_error_for``), so a newcomer can read here what a
-client may see::
+those to HTTP in ``server.openai_api.http_errors.http_error_for``), so a newcomer can read
+here what a client may see::
 
     SkippyError
     ├── ConfigError               bad stage config               -> (start-up failure)

@@ -3,7 +3,7 @@
 Off unless ``SKIPPY_TRACE_DIR`` names a directory when the process starts. Then every mark is
 kept in memory (the newest ``KEPT`` of them) and written to ``<dir>/<label>.<pid>.trace``
 every ``FLUSH_EVERY`` marks and at exit, one ``name time_ns`` line each, on the wall clock that
-every process of one host shares. ``python scripts/token_path.py`` runs a pipeline with it on,
+every process of one host shares. ``skippy-stage profile`` runs a pipeline with it on,
 lines the stages' files up and prints the median of every step of a token's path: compute,
 the Python around it, each hop.
 

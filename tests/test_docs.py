@@ -12,7 +12,7 @@ from pathlib import Path
 from skippy_stage.config import StageConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "config_reference.py"
+SCRIPT = ROOT / "tools" / "config_reference.py"
 
 
 def test_the_configuration_reference_is_what_the_config_defines():

@@ -260,8 +260,9 @@ def test_a_recurrent_model_refuses_the_rewind_speculation_needs_by_name(tmp_path
 
     from skippy_stage.errors import InvalidRequestError
     from skippy_stage.model import synthetic
+    from skippy_stage.model.batch import BatchEntry
     from skippy_stage.model.chain import chain_configs
-    from skippy_stage.model.runtime import BatchEntry, StageRuntime
+    from skippy_stage.model.runtime import StageRuntime
 
     specs = synthetic.load_specs(Path(__file__).resolve().parent / "fixtures" / "archs.jsonl.gz")
     model = synthetic.write_model(specs["mamba-dense"], tmp_path / "mamba.gguf", seed=42)
@@ -281,8 +282,9 @@ def test_a_batch_asking_more_output_rows_than_n_ubatch_is_refused_and_the_stage_
     """all_rows and verify output every row; llama.cpp's output buffer would grow to the largest
     batch's rows x n_vocab floats, so the final stage bounds them (n_ubatch per batch)."""
     from skippy_stage.errors import InvalidRequestError
+    from skippy_stage.model.batch import BatchEntry
     from skippy_stage.model.chain import chain_configs
-    from skippy_stage.model.runtime import BatchEntry, StageRuntime
+    from skippy_stage.model.runtime import StageRuntime
 
     (config,) = chain_configs(smollm2, [(0, 30)], slice_cache, n_batch=64, n_ubatch=16)
     runtime = StageRuntime(config)
@@ -301,7 +303,7 @@ def test_a_batch_asking_more_output_rows_than_n_ubatch_is_refused_and_the_stage_
 
 def test_a_speculating_session_reserves_kv_cells_for_the_drafts_past_its_answer():
     from skippy_stage.head.drafting import DraftBudget
-    from skippy_stage.head.scheduler import Task
+    from skippy_stage.head.tasks import Task
     from skippy_stage.model.sampling import SamplingParams
 
     plain = Task(session_id="a", prompt=[1] * 10, sampling=SamplingParams(), max_tokens=2)

@@ -1,4 +1,6 @@
-"""The ``skippy-stage`` command: serve, up, generate, demo, slice, verify, check, info.
+"""The ``skippy-stage`` command: one stage daemon, local pipelines, and what measures and proves them.
+
+Subcommands: serve, up, generate, demo, bench, profile, floor, ab, plan, slice, verify, check, info.
 
 Logs go to stderr, results (generated text, the head endpoint) to stdout. A failure at
 start exits non-zero with one line that names the cause.
@@ -17,7 +19,15 @@ from pathlib import Path
 
 from skippy_stage import logs
 from skippy_stage.cli.client import add_speculative_flags, client_credentials, generate, speculative_flags
-from skippy_stage.cli.local import LocalPipeline, even_split, free_ports, parse_layers, pipeline_configs
+from skippy_stage.cli.local import (
+    LocalPipeline,
+    add_link_flags,
+    emulate_links,
+    even_split,
+    free_ports,
+    parse_layers,
+    pipeline_configs,
+)
 from skippy_stage.cli.settings import apply_settings
 from skippy_stage.config import WIRE_DTYPES, StageConfig
 from skippy_stage.errors import SkippyError
@@ -50,7 +60,8 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
     if getattr(args, "speculative", None) is not None or getattr(args, "draft_model", None):
         configs[0]["speculative"] = speculative_flags(args)
     configs = apply_settings(configs, args.settings)
-    pipeline = LocalPipeline(configs, workdir, log_level=getattr(args, "stage_log_level", None))
+    links = emulate_links(configs, args)
+    pipeline = LocalPipeline(configs, workdir, log_level=getattr(args, "stage_log_level", None), links=links)
     try:
         pipeline.wait_serving(args.start_timeout)
     except BaseException:
@@ -199,7 +210,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skippy-stage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="skippy-stage", description="One pipeline stage of a split model, local pipelines, and what measures and proves them.")
     parser.add_argument("--log-level", default=os.environ.get("SKIPPY_LOG_LEVEL", "info"))
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -241,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--layers", help="e.g. 0:10,10:20,20:30")
     pipeline_args(p)
     add_speculative_flags(p, model=True)
+    add_link_flags(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream a generation from a head stage")
@@ -268,8 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_set_flag(p)
     p.set_defaults(func=cmd_bench)
 
+    from skippy_stage.cli.ab import add_ab_parser
+    from skippy_stage.cli.floor import add_floor_parser
     from skippy_stage.cli.plan import add_plan_parser
+    from skippy_stage.cli.profile import add_profile_parser
 
+    add_profile_parser(sub)
+    add_floor_parser(sub)
+    add_ab_parser(sub)
     add_plan_parser(sub)
 
     p = sub.add_parser("check", help="validate a stage config here and print it with every default filled in")

@@ -16,9 +16,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from skippy_stage.config import chain_links, shared_host_openmp
 from skippy_stage.errors import SkippyError
+
+if TYPE_CHECKING:
+    import argparse
+
+    from skippy_stage.ops.link import ChainRelays, Link
 
 
 def stage_environment() -> dict[str, str]:
@@ -141,6 +147,69 @@ def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, po
     return configs
 
 
+def add_link_flags(p: argparse.ArgumentParser) -> None:
+    """--link-delay-ms/--link-jitter-ms/--link-mbit: every edge of a local chain through the link
+    emulator (``skippy_stage.ops.link``)."""
+    p.add_argument("--link-delay-ms", type=float, default=None, metavar="D",
+                   help="TEST TOOL, never a production path: emulate a link of D ms one-way on every edge of the "
+                        "chain (frames down, the return to the head; both transports), through a relay in this "
+                        "process")
+    p.add_argument("--link-jitter-ms", type=float, default=0.0, metavar="J",
+                   help="with --link-delay-ms: up to J ms more per chunk, uniformly drawn (bytes never reorder)")
+    p.add_argument("--link-mbit", type=float, default=None, metavar="M",
+                   help="with --link-delay-ms: cap each edge at M Mbit/s each way")
+
+
+def emulate_links(configs: list[dict[str, object]], args: argparse.Namespace) -> ChainRelays | None:
+    """With --link-delay-ms: :func:`relay_links` with the flags' link (and a line on stderr saying
+    so); else None."""
+    delay_ms = getattr(args, "link_delay_ms", None)
+    if delay_ms is None:
+        if getattr(args, "link_jitter_ms", 0.0) or getattr(args, "link_mbit", None) is not None:
+            raise SkippyError("--link-jitter-ms and --link-mbit need --link-delay-ms (0 for none)")
+        return None
+    from skippy_stage.ops.link import Link
+
+    for flag, value in (("--link-delay-ms", delay_ms), ("--link-jitter-ms", args.link_jitter_ms)):
+        if not 0 <= value < 3_600_000:
+            raise SkippyError(f"{flag} {value:g} must be a number of milliseconds >= 0")
+    if args.link_mbit is not None and not args.link_mbit > 0:
+        raise SkippyError(f"--link-mbit {args.link_mbit:g} must be > 0")
+    link = Link.from_ms(delay_ms, args.link_jitter_ms, args.link_mbit)
+    relays = relay_links(configs, link)
+    print(f"# link emulator (a test tool): every edge {link.describe()}", file=sys.stderr, flush=True)
+    return relays
+
+
+def relay_links(configs: list[dict[str, object]], link: Link) -> ChainRelays:
+    """A relay through ``link`` for every edge of the local chain ``configs`` describes, and the
+    configs pointed at them (``downstream``, ``return_to``; in place). Each stage's frame listener
+    gets a fixed port (``frame_port``), which its relay forwards beside its gRPC port. Close the
+    relays after the stages have stopped (``LocalPipeline`` does)."""
+    from skippy_stage.ops.link import relay_chain
+
+    endpoints = [str(cfg["bind_addr"]) for cfg in configs]
+    host = endpoints[0].rpartition(":")[0].strip("[]")
+    frame_ports: list[int] = []
+    for cfg, spare in zip(configs, free_ports(host, len(configs))):
+        port = cfg.get("frame_port")
+        frame_ports.append(port if isinstance(port, int) else spare)
+        cfg["frame_port"] = frame_ports[-1]
+    relays = relay_chain(endpoints, link, frame_ports=frame_ports,
+                         direct_return=any("return_to" in cfg for cfg in configs))
+    for cfg, endpoint in zip(configs, relays.downstream):
+        cfg["downstream"] = _at(cfg["downstream"], endpoint)
+    if relays.return_to is not None:
+        configs[-1]["return_to"] = _at(configs[-1]["return_to"], relays.return_to)
+    return relays
+
+
+def _at(peer: object, endpoint: str) -> dict[str, object]:
+    """A peer entry of a config (``downstream``, ``return_to``) reached at ``endpoint`` instead."""
+    assert isinstance(peer, dict), peer
+    return {**peer, "endpoint": endpoint}
+
+
 # Set in a stage's environment by whoever starts it here: that process's id (see die_with_parent).
 PARENT_ENV = "SKIPPY_DIE_WITH_PARENT"
 
@@ -171,9 +240,11 @@ class LocalPipeline:
     """``serve`` processes for a split on loopback; stopped together."""
 
     def __init__(self, configs: list[dict[str, object]], workdir: Path, *, log_dir: Path | None = None,
-                 log_level: str | None = None) -> None:
-        """``log_dir``: write each stage's stderr to ``<stage_id>.log`` there instead of ours."""
+                 log_level: str | None = None, links: ChainRelays | None = None) -> None:
+        """``log_dir``: write each stage's stderr to ``<stage_id>.log`` there instead of ours.
+        ``links``: the relays of an emulated link (:func:`emulate_links`), closed by :meth:`stop`."""
         self.configs = configs
+        self.links = links
         self.procs: list[subprocess.Popen] = []
         self.log_files = []
         for cfg in configs:
@@ -238,5 +309,7 @@ class LocalPipeline:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.links is not None:
+            self.links.close()
         for f in self.log_files:
             f.close()

@@ -12,6 +12,7 @@ stage's config is then checked by the same rules as ``check`` before anything st
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -104,3 +105,20 @@ def _object_defaults(field_name: str) -> dict[str, Any]:
         return {}
     default = spec.default_factory()  # type: ignore[misc]
     return dataclasses.asdict(default) if dataclasses.is_dataclass(default) else {}
+
+
+def fields_json(text: str) -> dict[str, Any]:
+    """An argparse ``type``: stage config fields given as one JSON object (``profile``, ``ab``),
+    each name checked as ``--set`` checks it."""
+    try:
+        fields = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of stage config fields")
+    for name in fields:
+        if name not in _FIELDS:
+            raise argparse.ArgumentTypeError(f"{name!r} is not a StageConfig field (skippy-stage check prints them all)")
+        if name in WIRED:
+            raise argparse.ArgumentTypeError(f"{name!r} is wired by the command itself")
+    return fields

@@ -25,19 +25,10 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from skippy_stage.errors import ConfigError, InvalidFieldError, InvalidRequestError
 from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, SpeculativeRequest
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.scheduler import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    End,
-    Failed,
-    PromptLogprobs,
-    Sampled,
-    Scheduler,
-    SchedulerLimits,
-    Task,
-    Tokens,
-)
-from skippy_stage.model.runtime import StageRuntime, TokenLogprob
+from skippy_stage.head.scheduler import Scheduler, SchedulerLimits
+from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
+from skippy_stage.model.logprobs import TokenLogprob
+from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, parse_grammar
 from skippy_stage.stage.stage import Stage
 from skippy_stage.stage.steps import Outputs, Step

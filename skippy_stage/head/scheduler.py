@@ -11,7 +11,8 @@ for room. A full queue, or a wait longer than ``admission_wait_s``, is refused w
 CapacityError carrying a retry hint — never a crash, never an unbounded wait.
 
 The step and drop actions are injected (``Stage.process`` / ``Stage.drop_session`` at run
-time), so the bookkeeping here is tested without a model.
+time), so the bookkeeping here is tested without a model. What a step carries is decided in
+``step_plan``; the tasks and the events their handlers receive are ``tasks``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -37,130 +38,18 @@ from skippy_stage.errors import (
     UnknownSessionError,
     is_prefix_miss,
 )
-from skippy_stage.head.drafting import DraftBudget, Drafter
-from skippy_stage.head.events import Events
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.model.runtime import TokenLogprob
-from skippy_stage.model.sampling import SamplingParams, plain_greedy
-from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Outputs, Step, StepEntry
+from skippy_stage.head.step_plan import plan_step
+from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
+from skippy_stage.model.logprobs import TokenLogprob
+from skippy_stage.model.sampling import plain_greedy
+from skippy_stage.stage.steps import PHASE_DECODE, Outputs, Step, StepEntry
 
 log = structlog.get_logger("skippy_stage.scheduler")
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
 # An idle worker looks again at least this often even if nobody notifies it (a safety net: every
 # change an idle worker must act on notifies it).
 IDLE_RECHECK_S = 1.0
-
-
-@dataclass(frozen=True)
-class End:
-    """The last event of a task: why it finished."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: SkippyError
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """A sampled token with its log-probabilities (events are bare ints when none were asked)."""
-
-    token: int
-    logprob: TokenLogprob
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """Several sampled tokens delivered at once (``stream_interval_s``), each an int or a Sampled."""
-
-    items: tuple[int | Sampled, ...]
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """The prompt's tokens with their log-probabilities (None for the first: nothing precedes it),
-    before the first sampled token (OpenAI's echo with logprobs)."""
-
-    tokens: tuple[int, ...]
-    logprobs: tuple[TokenLogprob | None, ...]
-
-
-@dataclass
-class Task:
-    """One generation as the scheduler sees it; events flow to the waiting handler."""
-
-    session_id: str
-    prompt: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    events: Events = field(default_factory=Events)
-    prefilled: int = 0
-    generated: int = 0
-    last_token: int | None = None
-    # Every token the chain has been fed for this session: the prompt, then each sampled
-    # token once the next step carries it. A recovery re-prefills it as ``replay``.
-    history: list[int] = field(default_factory=list)
-    replay: list[int] | None = None
-    # Set while the session waits for the chain to come back; the error to give up with.
-    recovering: SkippyError | None = None
-    failing_since: float | None = None
-    # Session ids this task used before a recovery; some stage below may still hold them.
-    stale_sessions: list[str] = field(default_factory=list)
-    recoveries: int = 0
-    # A resident prefix claimed at admission: the first prefill entry names it, and the prompt's
-    # first ``cached_tokens`` come from its KV. Cleared once a step carried it through the chain.
-    prefix_id: str | None = None
-    cached_tokens: int = 0
-    failed: bool = False  # its session's state is uncertain: freed, never kept as a prefix
-    # Speculative decoding: who drafts (None: no speculation), how many at most now, and how many
-    # the step under way carries.
-    drafter: Drafter | None = None
-    draft_budget: DraftBudget | None = None
-    drafted: int = 0
-    # Log-probabilities of each sampled token and this many alternatives (None: none).
-    top_logprobs: int | None = None
-    # Log-probabilities of the prompt's tokens too, with this many alternatives (None: not asked);
-    # gathered by position as the prompt's chunks come back.
-    prompt_logprobs: int | None = None
-    prompt_lps: dict[int, TokenLogprob] = field(default_factory=dict)
-    prompt_lps_sent: bool = False
-    # Samples the final stage took for this task (every sampled token received, drafts' verify rows
-    # and an ending token included): a sampler rebuilt below skips as many seeded draws.
-    samples: int = 0
-    # n choices of one prompt: the first (the source) prefills all but the prompt's last token and
-    # holds there (``hold_at``) until its ``forks`` join it; each fork then starts as a copy of the
-    # source's KV on every stage (``fork_of``) and feeds that last token itself, in the same step.
-    forks: list[Task] = field(default_factory=list)
-    fork_from: Task | None = None
-    hold_at: int | None = None
-    enqueued_at: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    delivered_at: float = float("-inf")  # when its handler was last handed tokens
-    stream_interval_s: float | None = None  # its request's own (None: SchedulerLimits.stream_interval_s)
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        """Ask the scheduler to stop this task and free its session (idempotent)."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def reserve(self, max_context: int) -> int:
-        """KV cells to hold for it: prompt and answer, and the drafts a last step may carry past them."""
-        drafts = self.draft_budget.k if self.draft_budget is not None else 0
-        return min(len(self.prompt) + self.max_tokens + drafts, max_context)
-
-    @property
-    def to_feed(self) -> list[int]:
-        """Tokens to prefill: the prompt, or after a recovery everything fed before."""
-        return self.prompt if self.replay is None else self.replay
 
 
 @dataclass(frozen=True)
@@ -221,6 +110,7 @@ class Scheduler:
         self._waiting: deque[Task] = deque()
         self._groups: list[list[Task]] = [[] for _ in range(limits.max_inflight)]
         self._reserved = 0
+        self._asleep = 0
         self._closed = False
         self._batch_ids = itertools.count()
         self._local = threading.local()
@@ -266,6 +156,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         with self._cond:
             return len(self._waiting)
+
+    def asleep(self) -> int:
+        """Workers waiting for something to do: only a notify (or their next look) wakes them."""
+        with self._cond:
+            return self._asleep
 
     def active(self) -> int:
         with self._cond:
@@ -352,7 +247,11 @@ class Scheduler:
                     self._admit_locked(group)
                 batch = list(group)
                 if not batch and not finished and not closing:
-                    self._cond.wait(self._idle_wait_s())
+                    self._asleep += 1
+                    try:
+                        self._cond.wait(self._idle_wait_s())
+                    finally:
+                        self._asleep -= 1
             if closing:
                 return
             if not batch:
@@ -415,122 +314,6 @@ class Scheduler:
         self._deliver(task)
         task.events.put(Failed(error))
         task.cancel()
-
-    def _entries(self, batch: list[Task]) -> tuple[list[StepEntry], list[tuple[Task, int]]]:
-        """Decode entries first (latency), then prompt chunks within the token budget, and within
-        the final stage's output rows (n_ubatch per batch: a verify entry and a speculating
-        session's prompt chunk output every row)."""
-        budget = self.limits.n_batch
-        outputs = self.limits.n_ubatch
-        entries: list[StepEntry] = []
-        plan: list[tuple[Task, int]] = []
-        for task in batch:
-            if task.recovering is not None:
-                continue
-            if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0 and outputs > 0:
-                position = len(task.prompt) + task.generated - 1
-                drafts = self._draft(task, position, min(budget, outputs) - 1)
-                n = 1 + len(drafts)
-                entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE,
-                                         positions=range(position, position + n), token_ids=[task.last_token, *drafts],
-                                         sample_last=True, sampling=task.sampling,
-                                         rewind=task.drafter is not None, verify=bool(drafts),
-                                         top_logprobs=task.top_logprobs, draws_before=task.samples))
-                plan.append((task, 0))
-                budget -= n
-                outputs -= n
-        for task in batch:
-            if self._source(task) is not None:
-                continue  # it joins its source's step
-            feed = task.to_feed
-            hold = self._hold(task)
-            remaining = (len(feed) if hold is None else hold) - task.prefilled
-            # a reference computing logits for every row (speculation, logprobs) has these shapes; so
-            # do the prompt's chunks when its logprobs are asked
-            every_row = task.drafter is not None or task.top_logprobs is not None \
-                or (task.prompt_logprobs is not None and task.prefilled < len(task.prompt))
-            if task.recovering is not None or budget <= 0 or outputs <= 0:
-                continue
-            if hold is not None and remaining == 0:
-                taken = self._fork_entries(task, hold, budget, outputs, entries, plan, batch)
-                budget -= taken
-                outputs -= taken
-                continue
-            if remaining <= 0:
-                continue
-            n = min(remaining, self.limits.n_ubatch, budget, outputs if every_row else budget)
-            start = task.prefilled
-            if task.replay is not None:
-                # Re-feed tokens as they were first computed: llama.cpp's kernels differ between
-                # one-token and larger batches (up to 0.6 in a logit on an AVX2 EPYC), so KV
-                # rebuilt in one big batch could steer a greedy text elsewhere. The prompt goes in
-                # chunks as before, each generated token in a step of its own.
-                n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
-            # After a recovery the next input token is already known: do not sample again.
-            last = start + n == len(feed) and task.last_token is None
-            in_prompt = task.prompt_logprobs is not None and start < len(task.prompt)
-            entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
-                                     positions=range(start, start + n), token_ids=feed[start : start + n],
-                                     sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
-                                     top_logprobs=task.top_logprobs if last else None,
-                                     all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
-                                     next_token=feed[start + n] if in_prompt and start + n < len(task.prompt)
-                                     else None, draws_before=task.samples if last else 0))
-            plan.append((task, n))
-            budget -= n
-            outputs -= n if every_row else int(last)
-        return entries, plan
-
-    @staticmethod
-    def _source(task: Task) -> Task | None:
-        """The session ``task`` will start as a copy of, while that is still on; else None (and it
-        prefills the prompt itself, as after a recovery of either)."""
-        source = task.fork_from
-        if source is None:
-            return None
-        if (source.cancelled or source.recovering is not None or source.replay is not None or source.hold_at is None
-                or task.cancelled or task.recovering is not None or task.replay is not None):
-            task.fork_from = None
-            return None
-        return source
-
-    def _hold(self, task: Task) -> int | None:
-        """Where ``task``'s prefill waits for its forks (None: it does not, or no longer)."""
-        if task.hold_at is not None and (task.replay is not None
-                                         or not any(self._source(f) is task for f in task.forks)):
-            task.hold_at = None
-        return task.hold_at
-
-    def _fork_entries(self, source: Task, hold: int, budget: int, outputs: int, entries: list[StepEntry],
-                      plan: list[tuple[Task, int]], batch: list[Task]) -> int:
-        """The step that feeds the prompt's last token to ``source`` and to each fork of this step's
-        batch (a freed one is in no batch), which starts as a copy of ``source``'s KV up to it: one row
-        and one sample each. Returns the rows taken (0: not this step, the batch is too full)."""
-        family = [source, *(f for f in source.forks if f in batch and self._source(f) is source)]
-        if len(family) > min(budget, outputs):
-            return 0
-        for member in family:
-            entries.append(StepEntry(session_id=member.session_id, phase=PHASE_PREFILL,
-                                     positions=range(hold, hold + 1), token_ids=member.prompt[hold : hold + 1],
-                                     sample_last=True, sampling=member.sampling, top_logprobs=member.top_logprobs,
-                                     all_rows=member.drafter is not None or member.top_logprobs is not None,
-                                     fork_of=None if member is source else source.session_id))
-            plan.append((member, hold + 1 - member.prefilled))
-        return len(family)
-
-    def _draft(self, task: Task, position: int, room: int) -> list[int]:
-        """The tokens ``task`` drafts to follow its last one this step (llama-cpp-python's schedule:
-        drafted from every token so far, the last sampled one included, as many as the drafter
-        gives up to k, capped only by the session's KV cells and the batch)."""
-        task.drafted = 0
-        if task.drafter is None or task.draft_budget is None:
-            return []
-        k = min(task.draft_budget.next_k(), room, self.limits.max_context - position - 1)
-        if k <= 0:
-            return []
-        drafts = task.drafter([*task.history, task.last_token], k)[:k]
-        task.drafted = len(drafts)
-        return drafts
 
     def _recover(self, batch: list[Task]) -> None:
         """Re-prefill sessions whose chain failed, once it answers again (or give up)."""
@@ -629,7 +412,8 @@ class Scheduler:
 
     def _run_step(self, batch: list[Task]) -> None:
         self._recover(batch)
-        entries, plan = self._entries(batch)
+        entries, plan = plan_step(batch, n_batch=self.limits.n_batch, n_ubatch=self.limits.n_ubatch,
+                                  max_context=self.limits.max_context)
         if not entries:
             self.flush_events()
             return

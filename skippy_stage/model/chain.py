@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from skippy_stage.config import PeerConfig, StageConfig, chain_links
-from skippy_stage.model.runtime import BatchEntry, EntryResult, StageRuntime
+from skippy_stage.model.batch import BatchEntry, EntryResult
+from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 
 

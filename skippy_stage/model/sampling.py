@@ -166,7 +166,11 @@ class SamplerChain:
     With a grammar, sampling goes through the chain by hand: llama.cpp's grammar *aborts the
     process* when it accepts a token it does not allow (a dead end where every token is masked, an
     EOG before the grammar is complete), so a token is checked against the grammar before it is
-    accepted, and a dead end is an error. History tokens (``accept``) feed the penalties only."""
+    accepted, and a dead end is an error. History tokens (``accept``) feed the penalties only.
+
+    ``argmax``: plain greedy (``plain_greedy``), so the pick is the logits' first maximum and the
+    chain keeps no state between picks; the native frame path reads it (by this name) and then
+    picks in C as this chain would."""
 
     def __init__(self, params: SamplingParams, n_vocab: int, vocab: llama_cpp.llama_vocab_p | None = None) -> None:
         self.params = params
@@ -174,7 +178,7 @@ class SamplerChain:
         self._penalties = None
         self._grammar = None
         self._dist = None
-        self._argmax = False
+        self.argmax = False
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
@@ -205,7 +209,7 @@ class SamplerChain:
             # Plain greedy keeps no state, so its pick is the logits' first maximum: read in place
             # (~3 us) rather than through llama_sampler_sample, which copies all n_vocab logits
             # into a candidate array first (~120 us a token for a 49k vocabulary).
-            self._argmax = plain_greedy(params)
+            self.argmax = plain_greedy(params)
             return
         if params.top_k > 0:
             add(llama_cpp.llama_sampler_init_top_k(params.top_k))
@@ -258,7 +262,7 @@ class SamplerChain:
     def sample(self, ctx: llama_cpp.llama_context_p, output_index: int) -> int | None:
         """Sample from the logits of batch row ``output_index``; the token is accepted too. None:
         the grammar allows no token here (a dead end: the caller ends the session)."""
-        if self._argmax:
+        if self.argmax:
             ptr = llama_cpp.llama_get_logits_ith(ctx, output_index)
             if not ptr:
                 raise RuntimeFailure(f"llama.cpp has no logits for batch row {output_index}")

@@ -4,7 +4,7 @@ without OpenMP.
 Why: such a build (GGML_OPENMP=OFF; macOS builds usually are: Apple's clang ships no OpenMP)
 starts a *disposable* pool — new threads, joined at the end — for every graph a context runs
 without one attached, and a stage runs several graphs per decode (the capture splits it).
-Measured with SmolLM2 on a 2-vCPU Xeon (``scripts/split_floor.py``-style driver, 2 threads):
+Measured with SmolLM2 on a 2-vCPU Xeon (``skippy-stage floor``-style driver, 2 threads):
 the unsplit model 0.91x, the 2- and 3-stage splits 0.38x / 0.35x of the same build with a pool
 attached. With OpenMP, ggml runs graphs on OpenMP's own threads and never reads an attached
 pool's, so none is made.

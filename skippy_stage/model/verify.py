@@ -33,8 +33,9 @@ import numpy as np
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError
 from skippy_stage.model import loader
+from skippy_stage.model.batch import BatchEntry
 from skippy_stage.model.chain import Chain, Step, chain_configs
-from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.slicing import ModelInfo, proving, read_model_info
 
 SESSION = "verify"

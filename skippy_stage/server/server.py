@@ -107,7 +107,7 @@ class StageServer:
         if self.config.metrics_port is not None:
             self.stage.metrics.serve_http(self.config.metrics_port, host)
         if self.config.http_port is not None:
-            from skippy_stage.server.openai_api import OpenAIServer
+            from skippy_stage.server.openai_api.http_server import OpenAIServer
 
             self.http = OpenAIServer(self.servicer, host=host, port=self.config.http_port)
             self.http.start()

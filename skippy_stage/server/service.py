@@ -24,13 +24,14 @@ from skippy_stage.config import MAX_STREAM_INTERVAL_MS
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
 from skippy_stage.head.drafting import Drafters, SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, load_drafters
-from skippy_stage.model.runtime import MAX_TOP_LOGPROBS
+from skippy_stage.model.logprobs import MAX_TOP_LOGPROBS
 from skippy_stage.stage import codec
 from skippy_stage.stage.downstream import FAILED_STAGE_KEY
 from skippy_stage.stage.peers import STAGE_ID_METADATA
-from skippy_stage.stage.stage import Stage, error_reply
+from skippy_stage.stage.stage import Stage
 from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import PHASE_DECODE, Reply, Step, StepEntry, check_sampling
+from skippy_stage.stage.upstream import error_reply
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 

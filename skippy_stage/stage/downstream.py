@@ -1,6 +1,6 @@
 """The client side of one edge: this stage's channel to the stage below it.
 
-Two planes. Frames go through a :class:`~skippy_stage.hops.Hop` of the configured
+Two planes. Frames go through a :class:`~skippy_stage.stage.hops.Hop` of the configured
 transport (``hop_transport``), one way, never waited for. Control calls — health, status,
 DropSession — go over gRPC, each with a deadline (the caller's remaining time, capped by
 the hop timeout). Every failure becomes a DownstreamError naming the stage which failed:
@@ -11,7 +11,6 @@ the one below us, or a deeper one that it named in its own error (trailing metad
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import grpc
@@ -22,10 +21,12 @@ from skippy_stage.errors import DownstreamError, SkippyError
 from skippy_stage.model.runtime import KvPage
 from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, hops
+from skippy_stage.stage.channels import channel_options
 from skippy_stage.stage.peers import STAGE_ID_METADATA
+from skippy_stage.stage.ports import StageBelow
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
 from skippy_stage.stage.status import status_for
-from skippy_stage.stage.steps import Frame, Outputs, Reply
+from skippy_stage.stage.steps import Frame, Reply
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
 
@@ -42,42 +43,10 @@ _RELAYED_CODES = {
 }
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Keepalive so a dead peer is noticed between requests, and the stage's size limit."""
-    return [
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # Reconnect quickly once a restarted peer is back.
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
-
-
 @dataclass(frozen=True)
 class HealthProbe:
     ok: bool
     detail: str
-
-
-class HopFuture(Future):
-    """A step's outputs, or a DownstreamError. The first settle wins
-    (the final stage's direct return, a relayed copy, or an error from the back channel)."""
-
-    def settle(self, *, result: Outputs | None = None,
-               error: BaseException | None = None) -> bool:
-        """Resolve the future unless something already did; True when this call resolved it."""
-        try:
-            if error is not None:
-                self.set_exception(error)
-            else:
-                self.set_result(result)
-        except InvalidStateError:
-            return False
-        return True
 
 
 class DownstreamClient:
@@ -253,7 +222,7 @@ class LocalDownstream:
     (run on the sender's thread), control calls made directly. Stage logic is tested on it
     without sockets; it translates errors as the gRPC client does."""
 
-    def __init__(self, peer: PeerConfig, target, *, hop_timeout_s: float, on_reply: hops.OnReply,
+    def __init__(self, peer: PeerConfig, target: StageBelow, *, hop_timeout_s: float, on_reply: hops.OnReply,
                  on_broken: hops.OnBroken) -> None:
         self.peer = peer
         self.target = target

@@ -8,8 +8,8 @@ is. Frames that arrive meanwhile wait at the gate (their upstream feels it as la
 as an error); the hand-off is bounded, and an expired wait opens the gate again.
 
 The gate's state is ``_frames.Gate`` where the extension is built: the C frame paths pass it
-with a mutex instead of calling into Python twice a frame (see frames.c). ``ConditionGate`` is
-its contract on a condition variable, for where it is not.
+with a mutex instead of calling into Python twice a frame (see ``native/sync.c``).
+``ConditionGate`` is its contract on a condition variable, for where it is not.
 """
 
 from __future__ import annotations

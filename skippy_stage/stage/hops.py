@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import grpc
 
@@ -33,12 +33,10 @@ from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, InvalidRequestError
 from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, framing
+from skippy_stage.stage.ports import StageBelow
 from skippy_stage.stage.steps import Frame, Reply
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from skippy_stage.stage.stage import Stage
 
 OnReply = Callable[[Reply], None]
 OnBroken = Callable[[DownstreamError], None]
@@ -245,7 +243,7 @@ class StreamHop:
 class LocalHop:
     """A downstream stage in this process: its frame runs on the sender's thread."""
 
-    def __init__(self, peer: PeerConfig, target: Stage, *, on_reply: OnReply, on_broken: OnBroken) -> None:
+    def __init__(self, peer: PeerConfig, target: StageBelow, *, on_reply: OnReply, on_broken: OnBroken) -> None:
         self.peer = peer
         self.target = target
         self._on_reply = on_reply

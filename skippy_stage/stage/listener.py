@@ -30,8 +30,9 @@ from skippy_stage import tracing
 from skippy_stage.errors import ConfigError, InvalidRequestError
 from skippy_stage.stage import codec, framing, native_frames
 from skippy_stage.stage.peers import Peer
-from skippy_stage.stage.stage import Stage, error_reply
+from skippy_stage.stage.stage import Stage
 from skippy_stage.stage.steps import Reply
+from skippy_stage.stage.upstream import error_reply
 from skippy_stage.v1 import stage_pb2 as pb
 
 log = structlog.get_logger("skippy_stage.listener")

@@ -1,5 +1,5 @@
-"""A stage's frame path in C (``native/frames.c``), for the frames it can prove plain; and the
-head's own plain decode steps through the same code (``NativeHead``).
+"""A stage's frame path in C (``native/``: the files are mapped in ``frames.h``), for the frames it
+can prove plain; and the head's own plain decode steps through the same code (``NativeHead``).
 
 A plain decode frame — one position per entry of a session already bound here, f32 hidden rows,
 no rewind, prefix or fork — costs a stage's Python frame path ~300 us on co-located stages (its
@@ -21,10 +21,17 @@ The head's lone greedy generation (``NativeHead.lone``) runs the same code step 
 session alone, each token that comes back fed to the next step without the scheduler between
 them. Its tokens come over the return link, which the head's listener reads in C
 (``return_reader``) so a token is handed over without the GIL.
+
+The C side takes the runtime's raw pointers (its context, llama.cpp's functions, the batch
+buffers) as capsules named for their argument (``capsule``, ``frame_path``): anything else there
+is a TypeError, never a dereference. Of the Python objects it is given it reads public names only:
+``StageRuntime.closed``, the lane table's ``SessionLane`` fields, ``SamplerChain.argmax``,
+``Stage.downstream``, ``DownstreamClient.hop``, ``TcpHop.plain_link``, ``Routes.claim``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 import threading
 
@@ -49,10 +56,38 @@ else:
     _IMPORT_ERROR = ""
 
 _UNSENT, _DECODE_FAILED = 1, 2  # run()'s status; 0: sent
-# lone()'s outcomes (frames.c's LONE_*)
+# lone()'s outcomes (frames.h's LONE_*)
 LONE_TOKEN, LONE_SETTLED, LONE_DECLINED, LONE_DECODE_FAILED, LONE_UNSENT, LONE_TIMEOUT = range(6)
 _MARKS = ("parsed", "d0", "d1", "s1")  # tracing's names for the C path's clock readings
 _INVALID, _VALID, _PLAIN_GREEDY = 0, 1, 2
+
+# FramePath's arguments that are C pointers; each goes in as a capsule named
+# "skippy_stage._frames.<argument>" (frames.h's SK_CAPSULE_PREFIX), the name C checks. The names'
+# bytes live as long as the module: a capsule keeps a pointer to its name.
+POINTER_ARGS = ("ctx", "mem", "decode", "logits_ith", "seq_rm", "batch", "pos", "seq", "out", "embd", "capture",
+                "token")
+_CAPSULE_NAMES = {name: f"skippy_stage._frames.{name}".encode() for name in POINTER_ARGS}
+# PyCapsule_New through a prototype of its own (setting restype on ``ctypes.pythonapi.PyCapsule_New``
+# would change it for everyone in the process); called with the GIL held.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+
+
+def capsule(argument: str, address: int | None) -> object | None:
+    """The C pointer ``address`` as FramePath takes it for ``argument`` (one of ``POINTER_ARGS``): a
+    capsule named for that argument; None for no pointer (0 or None, where the argument is optional).
+    The capsule owns nothing: what it points into stays the runtime's."""
+    if not address:
+        return None
+    return _capsule_new(address, _CAPSULE_NAMES[argument], None)
+
+
+def frame_path(runtime_args: dict[str, object], *, hop_timeout_s: float, routes, stage_id: bytes):
+    """A ``_frames.FramePath`` on ``runtime_args`` (``StageRuntime.native_frame_args()``: addresses
+    for its pointers, which go in as capsules); ``routes`` an inner stage's ``Stage.routes``, else None."""
+    args = {k: capsule(k, v) if k in _CAPSULE_NAMES else v for k, v in runtime_args.items()}
+    return _frames.FramePath(**args, hop_timeout_s=hop_timeout_s, routes=routes, classify=classify,
+                             stage_id=stage_id)
 
 
 def classify(raw: bytes) -> int:
@@ -85,9 +120,8 @@ class NativeFrames:
     def __init__(self, stage, args: dict[str, object]) -> None:  # stage: a Stage (it imports this module)
         self.stage = stage
         self.final = stage.config.include_output
-        self._path = _frames.FramePath(**args, hop_timeout_s=stage.timeouts.hop_s,
-                                       routes=None if self.final else stage.routes, classify=classify,
-                                       stage_id=stage.config.stage_id.encode())
+        self._path = frame_path(args, hop_timeout_s=stage.timeouts.hop_s,
+                                routes=None if self.final else stage.routes, stage_id=stage.config.stage_id.encode())
         # Frames ``serve`` sent on as plain successes, their ``end`` left to ``drain`` (a scrape).
         self._kept: list[tuple] = []
         self._draining = threading.Lock()
@@ -222,8 +256,8 @@ class NativeHead:
     prove plain) and the first frame (it opens the link) run the Python path."""
 
     def __init__(self, stage, args: dict[str, object]) -> None:
-        self._path = _frames.FramePath(**args, hop_timeout_s=stage.timeouts.hop_s, routes=None, classify=classify,
-                                       stage_id=stage.config.stage_id.encode())
+        self._path = frame_path(args, hop_timeout_s=stage.timeouts.hop_s, routes=None,
+                                stage_id=stage.config.stage_id.encode())
         self.row_bytes = 4 * int(args["n_embd"])
         # Where a lone generation waits for its step's return (``ReturnBox`` settles it, the
         # return listener hands it plain tokens).
@@ -259,7 +293,9 @@ class NativeHead:
              on_token, bell=None) -> tuple | None:
         """Run ``step`` (one plain decode entry) and the steps that follow it on each token that
         comes back, in C (``FramePath.lone``: the outcomes and the limits are its); None (nothing
-        done) when the step is not one it can take."""
+        done) when the step is not one it can take. Before each step the loop checks that
+        ``stage.downstream`` is still ``downstream`` and its ``hop.plain_link`` still ``link`` (a
+        hand-off switches them), and declines the step otherwise."""
         entry = step.entries[0] if len(step.entries) == 1 else None
         if (entry is None or len(entry.positions) != 1 or entry.token_ids is None or len(entry.token_ids) != 1
                 or entry.rewind or entry.prefix_id is not None or entry.fork_of is not None
@@ -273,10 +309,12 @@ class NativeHead:
         if not self._lone_lock.acquire(blocking=False):
             return None
         try:
-            return self._path.lone(self.wait, wire.SerializeToString(), step.request_id.encode(),
-                                   secrets.token_hex(16).encode(), position, token, draws, limit, eog, timeout_s,
-                                   link.sock, link.send_lock, stage.gate.passing(), stage, downstream, link, on_token,
-                                   bell if isinstance(bell, _frames.Bell) else None)
+            return self._path.lone(
+                wait=self.wait, template=wire.SerializeToString(), request_id=step.request_id.encode(),
+                key_prefix=secrets.token_hex(16).encode(), position=position, token=token, draws=draws, limit=limit,
+                eog=eog, timeout_s=timeout_s, sock=link.sock, send_lock=link.send_lock, gate_pass=stage.gate.passing(),
+                stage=stage, downstream=downstream, link=link, on_token=on_token,
+                bell=bell if isinstance(bell, _frames.Bell) else None)
         finally:
             self._lone_lock.release()
 

@@ -18,6 +18,7 @@ import queue
 import secrets
 import threading
 import time
+from concurrent.futures import Future, InvalidStateError
 
 import grpc
 import structlog
@@ -27,7 +28,8 @@ from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError, InvalidRequestError
 from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, framing
-from skippy_stage.stage.downstream import HopFuture, channel_options
+from skippy_stage.stage.channels import channel_options
+from skippy_stage.stage.ports import HeadAbove
 from skippy_stage.stage.steps import Outputs
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -38,6 +40,23 @@ log = structlog.get_logger("skippy_stage.returns")
 # unreachable head costs one connect timeout per interval, not one per step.
 RETRY_AFTER_S = 1.0
 CONNECT_TIMEOUT_S = 1.0
+
+
+class HopFuture(Future):
+    """A step's outputs, or a DownstreamError. The first settle wins
+    (the final stage's direct return, a relayed copy, or an error from the back channel)."""
+
+    def settle(self, *, result: Outputs | None = None,
+               error: BaseException | None = None) -> bool:
+        """Resolve the future unless something already did; True when this call resolved it."""
+        try:
+            if error is not None:
+                self.set_exception(error)
+            else:
+                self.set_result(result)
+        except InvalidStateError:
+            return False
+        return True
 
 
 class ReturnBox:
@@ -247,7 +266,7 @@ class StreamReturn:
 class LocalReturn:
     """Outputs straight to a head in this process (stage logic tested without sockets)."""
 
-    def __init__(self, head) -> None:  # a Stage (not imported: it imports this module)
+    def __init__(self, head: HeadAbove) -> None:
         self.head = head
 
     def send(self, key: str, outputs: Outputs) -> bool:

@@ -1,5 +1,6 @@
 """``--set [STAGE_ID.]FIELD=VALUE``: every StageConfig field on the stages ``up``, ``demo`` and
-``bench`` start, checked by the same rules as ``check``, a wrong name or value refused naming it."""
+``bench`` start, checked by the same rules as ``check``, a wrong name or value refused naming it.
+``profile`` and ``ab`` take theirs as one JSON object, whose names are checked the same way."""
 
 from __future__ import annotations
 
@@ -80,6 +81,19 @@ def test_the_commands_refuse_a_wrong_setting_before_starting_anything(smollm2, c
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert "kv_unified='maybe' must be true or false" in lines[-1] and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["profile", "--fields", '{"kv_unifed": true}'], "'kv_unifed' is not a StageConfig field"),
+    (["profile", "--fields", "n_threads=1"], "'n_threads=1' is not JSON"),
+    (["ab", "--a", '{"layer_start": 0}'], "'layer_start' is wired by the command itself"),
+    (["ab", "--b", "[1]"], "'[1]' is not a JSON object of stage config fields"),
+])
+def test_the_measuring_commands_take_fields_as_a_json_object_and_refuse_a_wrong_one_before_starting(args, named):
+    done = subprocess.run([sys.executable, "-m", "skippy_stage", *args], capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 2
+    assert named in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
 
 
 def test_up_serves_with_the_settings_given(smollm2, slice_cache):

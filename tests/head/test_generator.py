@@ -104,7 +104,7 @@ def test_tokens_that_wait_behind_the_first_reach_the_client_in_one_piece(smollm2
     from support.chain import split_configs
 
     from skippy_stage.head.generator import Finish, GenerateSpec, Generator, Piece
-    from skippy_stage.head.scheduler import FINISH_LENGTH, End, Task, Tokens
+    from skippy_stage.head.tasks import FINISH_LENGTH, End, Task, Tokens
     from skippy_stage.model.sampling import SamplingParams
     from skippy_stage.stage.stage import Stage
 

@@ -79,16 +79,26 @@ def test_a_session_that_comes_mid_generation_is_admitted_and_both_texts_are_as_w
     assert_no_active_sessions(started.configs)
 
 
-def test_cancelling_a_lone_generation_frees_its_session_on_every_stage(pipeline, references):
+def test_cancelling_a_lone_generation_stops_its_steps_and_frees_its_session_on_every_stage(pipeline, references):
     started, port = pipeline
+    alone_before = lone_steps(port)
+    assert grpc_generate(started.head_endpoint, LONG, 48)[0] == references["long"]
+    alone = lone_steps(port) - alone_before  # the steps one 48-token generation takes on its own
+
     before = lone_steps(port)
-    run = StreamingRun(started.head_endpoint, LONG, 400, after_pieces=6)
+    run = StreamingRun(started.head_endpoint, LONG, 2000, after_pieces=6)
     assert run.started.wait(60)
     run.cancel()
     run.join(30)
-    assert lone_steps(port) - before < 300  # it stopped well before its max_tokens
     assert_no_active_sessions(started.configs)
+    cancelled = lone_steps(port) - before
+    assert 6 <= cancelled < 1000, cancelled  # it ran, and stopped long before its max_tokens
+    # Nothing of it runs on once its session is gone: the next generation's steps are exactly those
+    # of a generation alone (a loop left running would add its own), and its text is the reference.
+    mark = lone_steps(port)
     assert grpc_generate(started.head_endpoint, LONG, 48)[0] == references["long"]
+    assert lone_steps(port) - mark == alone
+    assert lone_steps(port) - before == cancelled + alone
 
 
 def test_with_lone_steps_off_every_step_goes_through_the_scheduler_and_the_text_is_the_same(

@@ -22,8 +22,9 @@ from support.waiting import eventually
 from skippy_stage.errors import CapacityError, DownstreamError, InvalidFieldError, PrefixMissError, SkippyError
 from skippy_stage.head import scheduler as scheduler_module
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.scheduler import End, Failed, PromptLogprobs, Scheduler, SchedulerLimits, Task, Tokens
-from skippy_stage.model.runtime import TokenLogprob
+from skippy_stage.head.scheduler import Scheduler, SchedulerLimits
+from skippy_stage.head.tasks import End, Failed, PromptLogprobs, Task, Tokens
+from skippy_stage.model.logprobs import TokenLogprob
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
 
@@ -388,7 +389,7 @@ def test_an_idle_scheduler_acts_on_a_submit_at_once_not_on_its_next_look(make_sc
     monkeypatch.setattr(scheduler_module, "IDLE_RECHECK_S", 30.0)
     chain = FakeChain()
     scheduler = make_scheduler(chain, max_inflight=2)
-    time.sleep(0.1)  # both workers asleep
+    assert eventually(scheduler.asleep, lambda n: n == 2) == 2  # both wait, their next look 30 s away
     task = make_task("late", 2, 3)
     scheduler.submit(task)
     assert outcome(task) == (expected_tokens(task), End("length"))

@@ -14,7 +14,8 @@ import structlog.testing
 from support.chain import split_configs
 
 from skippy_stage.model import capture
-from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.batch import BatchEntry
+from skippy_stage.model.runtime import StageRuntime
 
 
 def test_the_compiled_capture_is_built_with_the_package():

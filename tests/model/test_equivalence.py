@@ -21,7 +21,8 @@ import pytest
 from support.chain import EQUIVALENCE_PROMPTS, Chain, split_configs
 from support.reference import Reference, chain_greedy, max_diff
 
-from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.batch import BatchEntry
+from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.slicing import read_model_info
 
 PROMPTS = EQUIVALENCE_PROMPTS

@@ -19,7 +19,8 @@ import pytest
 from skippy_stage.config import PeerConfig, StageConfig
 from skippy_stage.errors import ConfigError
 from skippy_stage.model import host, loader
-from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.batch import BatchEntry
+from skippy_stage.model.runtime import StageRuntime
 
 
 def stage(model: Path, cache_dir: Path, **fields: object) -> StageConfig:

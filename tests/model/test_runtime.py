@@ -23,7 +23,9 @@ import pytest
 from support.chain import Chain, Step, split_configs
 
 from skippy_stage.errors import CapacityError, InvalidRequestError, SessionStateError, UnknownSessionError
-from skippy_stage.model.runtime import BatchEntry, KvPage, StageRuntime
+from skippy_stage.model.batch import BatchEntry
+from skippy_stage.model.kv_page import KvPage
+from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 
 N_BATCH = 64
@@ -406,7 +408,7 @@ def test_plain_greedy_read_in_place_picks_what_llama_cpps_greedy_sampler_picks(c
     ours = SamplerChain(SamplingParams(temperature=0.0), N_VOCAB)
     theirs = llama_cpp.llama_sampler_init_greedy()
     try:
-        assert ours._argmax
+        assert ours.argmax
         for row in range(len(prompt)):
             assert ours.sample(tail._ctx, row) == llama_cpp.llama_sampler_sample(theirs, tail._ctx, row)
     finally:
@@ -423,7 +425,7 @@ def test_greedy_with_a_penalty_or_a_bias_and_any_temperature_go_through_llama_cp
 
     chain = SamplerChain(params, N_VOCAB)
     try:
-        assert not chain._argmax
+        assert not chain.argmax
     finally:
         chain.close()
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from skippy_stage.model.runtime import _token_logprob, log_softmax
-from skippy_stage.server.openai_api import _TextOffsets
+from skippy_stage.model.logprobs import log_softmax, token_logprob
+from skippy_stage.server.openai_api.endpoint import _TextOffsets
 
 
 def test_the_top_alternatives_are_ranked_by_logprob_then_by_the_higher_token_id():
     dist = np.array([-1.0, -0.5, -0.5, -2.0, -0.5], dtype=np.float32)
-    got = _token_logprob(dist, 1, 2)
+    got = token_logprob(dist, 1, 2)
     assert got.token == 1 and got.logprob == -0.5
     assert got.top == ((4, -0.5), (2, -0.5))
-    assert _token_logprob(dist, 3, 0).top == ()
+    assert token_logprob(dist, 3, 0).top == ()
 
 
 def test_log_softmax_is_llama_cpp_pythons_logits_to_logprobs():

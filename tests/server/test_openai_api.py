@@ -578,7 +578,7 @@ def test_a_response_read_whole_lets_the_head_hold_its_tokens_unless_stop_strings
     wakes about once a second, not once a token); streamed, or with stop strings (found only as
     tokens arrive), the head's own stream_interval_ms applies."""
     from skippy_stage.config import MAX_STREAM_INTERVAL_MS
-    from skippy_stage.server.openai_api import parse_request
+    from skippy_stage.server.openai_api.request import parse_request
 
     def hold(**body):
         return parse_request({"prompt": "Hi", **body}, chat=False).spec(512).stream_interval_ms

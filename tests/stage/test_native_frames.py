@@ -1,4 +1,4 @@
-"""The compiled frame path (``stage/native_frames.py``, ``stage/native/frames.c``): of the stages below
+"""The compiled frame path (``stage/native_frames.py``, ``stage/native/*.c``): of the stages below
 the head, and of the head's own decode steps.
 
 It stands in for the Python frame path on plain decode frames, so it must be indistinguishable
@@ -26,112 +26,35 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from support.chain import Chain, split_configs
+from support.frames import (
+    N_EMBD,
+    PROMPT,
+    SINK,
+    STAGE_ID,
+    Below,
+    Edge,
+    body,
+    head_rows,
+    head_step,
+    lone,
+    lone_entry,
+    prefill,
+    read_forwarded,
+    returned,
+    state,
+)
 from support.pipeline import assert_no_active_sessions, grpc_generate, metric, reference_texts, scrape, status
 from support.waiting import eventually
 
 from skippy_stage.cli.local import free_ports
 from skippy_stage.errors import DownstreamError, InvalidRequestError
-from skippy_stage.model.runtime import BatchEntry, StageRuntime
+from skippy_stage.model.runtime import BatchEntry
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.security import Credentials
 from skippy_stage.stage import framing, native_frames
 from skippy_stage.stage.codec import sampling_to_pb
 from skippy_stage.stage.gate import EdgeGate
-from skippy_stage.stage.stage import Routes
 from skippy_stage.v1 import stage_pb2 as pb
-
-PROMPT = "The capital of France is"
-N_EMBD = 576
-STAGE_ID = "stage-final"
-SINK = "sink"  # a link's back channel, as the C path is given it: the owner of the sessions it opened
-
-
-@pytest.fixture(scope="module")
-def chain(smollm2, slice_cache):
-    # Separate lanes (kv_unified off): two sessions fed the same rows then compute the same bits.
-    configs = split_configs(smollm2, [(0, 15), (15, 30)], slice_cache, n_batch=64, n_ubatch=64, ctx_size=1024,
-                            lane_count=4, kv_unified=False, n_threads=1)
-    built = Chain(configs)
-    yield built
-    built.close()
-
-
-class ReturnLink:
-    """The head's end of the return link: a socket pair, read back as ReturnedBatch messages."""
-
-    def __init__(self) -> None:
-        self.ours, self.theirs = socket.socketpair()
-        self.head = framing.FrameSocket(self.theirs, max_message_bytes=1 << 20)
-        self.lock = threading.Lock()
-
-    def read(self) -> pb.ReturnedBatch:
-        kind, body = self.head.receive()
-        return framing.parse(kind, body, framing.Kind.RETURNED_BATCH)
-
-    def pending(self) -> bool:
-        self.theirs.setblocking(False)
-        try:
-            return bool(self.theirs.recv(1 << 16, socket.MSG_PEEK))
-        except BlockingIOError:
-            return False
-        finally:
-            self.theirs.setblocking(True)
-
-    def close(self) -> None:
-        self.ours.close()
-        self.theirs.close()
-
-
-@pytest.fixture
-def link():
-    made = ReturnLink()
-    yield made
-    made.close()
-
-
-@pytest.fixture(scope="module")
-def native(chain):
-    tail = chain.stages[1]
-    return native_frames._frames.FramePath(**tail.native_frame_args(), hop_timeout_s=30.0, routes=None,
-                                           classify=native_frames.classify, stage_id=STAGE_ID.encode())
-
-
-def body(session: str, position: int, token: int | None, rows: np.ndarray, *, return_key: str = "k",
-         sampling: pb.SamplingParams | None = None, relay: bool = False, layer_end: int = 15, timeout_s: float = 0.0,
-         **entry_fields) -> bytes:
-    payload = np.ascontiguousarray(rows, dtype=np.float32).tobytes()
-    descriptor = pb.FrameDescriptor(version=1, dtype=pb.DTYPE_F32, layout=pb.LAYOUT_TOKEN_MAJOR, producer_stage_index=0,
-                                    layer_start=0, layer_end=layer_end, token_count=rows.shape[0],
-                                    sequence_count=rows.shape[0], payload_bytes=len(payload), width=rows.shape[1])
-    entry = pb.BatchEntry(session_id=session, phase=pb.PHASE_DECODE, positions=[position],
-                          token_ids=[] if token is None else [token], sample_last=True,
-                          sampling=sampling_to_pb(None) if sampling is None else sampling, **entry_fields)
-    request = pb.IterationBatchRequest(request_id="r", entries=[entry], return_key=return_key,
-                                       frame=pb.ActivationFrame(descriptor=descriptor, payload=payload))
-    return pb.HopRequest(hop_id=3, request=request, relay=relay, sent_unix_ns=time.time_ns(),
-                         timeout_s=timeout_s).SerializeToString()
-
-
-def head_rows(head: StageRuntime, session: str, positions, tokens) -> np.ndarray:
-    return head.run_batch([BatchEntry(session, np.asarray(positions), token_ids=np.asarray(tokens))])[0].hidden
-
-
-def prefill(chain, session: str, owner: object = None) -> tuple[int, int]:
-    """``session`` bound at the final stage (and "h-<session>" at the head) with the prompt: its
-    next position and the token the final stage sampled. ``owner``: the link it is opened over
-    (the C path takes a session's frames from that link only)."""
-    head, tail = chain.stages
-    tokens = tail.tokenizer.tokenize(PROMPT)
-    rows = head_rows(head, "h-" + session, range(len(tokens)), tokens)
-    token = tail.run_batch([BatchEntry(session, np.arange(len(tokens)), token_ids=np.asarray(tokens), hidden=rows,
-                                       sample=True, sampling=SamplingParams())], owner)[0].token
-    return len(tokens), token
-
-
-def state(tail: StageRuntime, session: str) -> tuple[int, int, list[int]]:
-    lane = tail.lanes.lane_of(session)
-    return lane.n_tokens, lane.batches, list(tail._history[session])
 
 
 def test_a_plain_decode_frame_gives_the_python_paths_token_session_state_and_message(chain, native, link):
@@ -240,41 +163,6 @@ def test_corrupted_frames_never_crash_it_and_keep_the_session_consistent(chain, 
 # -- an inner stage ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def chain3(smollm2, slice_cache):
-    configs = split_configs(smollm2, [(0, 10), (10, 20), (20, 30)], slice_cache, n_batch=64, n_ubatch=64,
-                            ctx_size=1024, lane_count=4, kv_unified=False, n_threads=1)
-    built = Chain(configs)
-    yield built
-    built.close()
-
-
-@pytest.fixture
-def inner(chain3):
-    """The middle stage's native path, and the routes it claims return keys in."""
-    routes = Routes()
-    path = native_frames._frames.FramePath(**chain3.stages[1].native_frame_args(), hop_timeout_s=2.5, routes=routes,
-                                           classify=native_frames.classify, stage_id=b"stage-mid")
-    return path, routes
-
-
-def read_forwarded(link: ReturnLink, sent: bytes, expected: np.ndarray, *, producer: int,
-                   layers: tuple[int, int]) -> pb.HopRequest:
-    """The next frame the C path sent on ``link`` for the frame ``sent``: its one row is the Python
-    path's (``expected``) bit for bit, its entries the ones that came in, byte for byte, and its
-    descriptor names this stage and its layers."""
-    kind, raw = link.head.receive()
-    forwarded = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
-    request = forwarded.request
-    got = np.frombuffer(request.frame.payload, dtype=np.float32).reshape(1, N_EMBD)
-    assert np.array_equal(got, expected)
-    assert [e.SerializeToString() for e in request.entries] == [
-        e.SerializeToString() for e in pb.HopRequest.FromString(sent).request.entries]
-    d = request.frame.descriptor
-    assert (d.dtype, d.producer_stage_index, d.layer_start, d.layer_end, d.width, d.token_count,
-            d.sequence_count, d.payload_bytes) == (pb.DTYPE_F32, producer, *layers, N_EMBD, 1, 1, 4 * N_EMBD)
-    return forwarded
-
 
 def test_an_inner_stage_sends_on_the_python_paths_rows_with_the_entries_as_they_came(chain3, inner, link):
     head, middle, _ = chain3.stages
@@ -336,23 +224,6 @@ def test_an_inner_send_that_fails_hands_the_frame_back_for_the_edge_to_be_report
 # -- the head's own steps ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def head_path(chain3):
-    return native_frames._frames.FramePath(**chain3.stages[0].native_frame_args(), hop_timeout_s=2.5, routes=None,
-                                           classify=native_frames.classify, stage_id=b"stage-head")
-
-
-def head_step(session: str, position: int, token: int, *, return_key: str = "k", timeout_s: float = 0.0,
-              with_frame: bool = False, **entry_fields) -> bytes:
-    """The head's step as it encodes it for the C path: the frame it sends, minus the rows."""
-    entry = dict(session_id=session, phase=pb.PHASE_DECODE, positions=[position], token_ids=[token],
-                 sample_last=True, sampling=sampling_to_pb(None), draws_before=position)
-    entry.update(entry_fields)
-    request = pb.IterationBatchRequest(request_id="step-1", entries=[pb.BatchEntry(**entry)], return_key=return_key)
-    if with_frame:
-        request.frame.payload = b"\0" * 4 * N_EMBD
-    return pb.HopRequest(request=request, timeout_s=timeout_s).SerializeToString()
-
 
 def test_the_heads_step_sends_the_python_paths_rows_under_the_key_its_wait_is_registered_with(
         chain3, head_path, link):
@@ -408,72 +279,6 @@ def test_head_steps_it_cannot_prove_plain_are_declined_and_touch_nothing(chain3,
 # -- the head's lone generation (``FramePath.lone``) -----------------------------------------------
 
 
-class Edge:
-    """What the lone loop checks each step is still the head's edge: ``stage.downstream`` and its
-    hop's link (identity only)."""
-
-    def __init__(self, link: ReturnLink) -> None:
-        self.link = link
-        self.downstream = types.SimpleNamespace(hop=types.SimpleNamespace(_link=link))
-        self.stage = types.SimpleNamespace(downstream=self.downstream)
-
-
-def returned(key: str, session: str, token: int, *, extra: dict | None = None) -> bytes:
-    out = pb.EntryOutput(session_id=session, has_token=True, token=token, **(extra or {}))
-    return pb.ReturnedBatch(return_key=key, response=pb.IterationBatchResponse(
-        outputs=[out], final_stage_id="stage-final")).SerializeToString()
-
-
-class Below:
-    """The stages below the head on the other end of the link: reads each frame the loop sends
-    and answers it through the head's ReturnWait — ``answer(request)`` returns the return's
-    bytes (handed over with ``take``), an exception or Outputs (``settle``), or None (silence)."""
-
-    def __init__(self, link: ReturnLink, wait, answer) -> None:
-        self.link, self.wait, self.answer = link, wait, answer
-        self.frames: list[pb.HopRequest] = []
-        self.taken: list[bool] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                kind, raw = self.link.head.receive()
-            except (framing.LinkClosed, OSError):
-                return
-            frame = framing.parse(kind, raw, framing.Kind.HOP_REQUEST)
-            self.frames.append(frame)
-            reply = self.answer(frame.request)
-            if isinstance(reply, bytes):
-                self.taken.append(self.wait.take(reply))
-            elif reply is not None:
-                self.taken.append(self.wait.settle(frame.request.return_key, reply))
-
-
-def lone(head_path, edge: Edge, wait, entry: bytes, position: int, token: int, *, limit: int = 100,
-         eog: tuple[int, ...] = (), timeout_s: float = 5.0, on_token=lambda token: True, bell=None):
-    return head_path.lone(wait, entry, b"step-7", b"run", position, token, position, limit,
-                          np.asarray(eog, dtype=np.int32).tobytes(), timeout_s, edge.link.ours, edge.link.lock,
-                          EdgeGate().passing(), edge.stage, edge.downstream, edge.link,
-                          lambda fed, from_c: on_token(fed), bell)
-
-
-def lone_entry(session: str) -> bytes:
-    return pb.BatchEntry(session_id=session, phase=pb.PHASE_DECODE, sample_last=True,
-                         sampling=sampling_to_pb(None)).SerializeToString()
-
-
-@pytest.fixture
-def lone_head(chain3):
-    """The head with the prompt in sessions "py" (the Python path's) and "lone"; its next position."""
-    head = chain3.stages[0]
-    tokens = head.tokenizer.tokenize(PROMPT)
-    for session in ("py", "lone"):
-        head_rows(head, session, range(len(tokens)), tokens)
-    yield head, len(tokens)
-    for session in ("py", "lone"):
-        head.drop_session(session)
 
 
 def test_a_lone_run_feeds_each_returned_token_to_the_next_step_until_its_limit(chain3, head_path, lone_head, link):
@@ -600,8 +405,8 @@ def test_a_lone_run_gives_up_on_a_silent_chain_and_declines_once_the_edge_change
                   if list(request.entries[0].positions) == [pos + 1] else None)
     # A path whose own hop limit is 10 minutes: a run that waited for that rather than its
     # timeout_s would outlast the bounded wait for its end below by far.
-    patient = native_frames._frames.FramePath(**chain3.stages[0].native_frame_args(), hop_timeout_s=600.0,
-                                              routes=None, classify=native_frames.classify, stage_id=b"stage-head")
+    patient = native_frames.frame_path(chain3.stages[0].native_frame_args(), hop_timeout_s=600.0, routes=None,
+                                       stage_id=b"stage-head")
     pool = ThreadPoolExecutor(1)
     try:
         started = time.monotonic()
@@ -965,18 +770,28 @@ def test_the_final_stages_greedy_pick_is_llama_cpps_greedy_sampler():
 # -- the extension's own safety: ownership, GC, waits, descriptors, bookkeeping ---------------------
 
 # A FramePath's arguments with stand-in pointers (nothing dereferences them but ``batch``, copied at
-# init): enough to construct one, never to run a frame.
+# init): enough to construct one, never to run a frame. Its pointers go in as the capsules
+# ``native_frames.capsule`` makes (``raw=True``: as given).
 FAKE_ARGS = """
 import ctypes, gc, sys, weakref
-from skippy_stage.stage import _frames
+from skippy_stage.stage import _frames, native_frames
 BATCH = ctypes.create_string_buffer(64)
 
-def fake_args(**changes):
+def fake_args(raw=False, **changes):
     args = dict(ctx=1, mem=1, decode=1, logits_ith=1, seq_rm=1, batch=ctypes.addressof(BATCH), pos=1, seq=1, out=1,
                 embd=1, capture=0, token=0, n_embd=8, n_vocab=16, n_batch=4, layer_start=1, layer_end=2,
                 stage_index=1, equal_split=False, cells_per_lane=64, kv_pool_tokens=64, hop_timeout_s=1.0,
                 owner=object(), compute_lock=object(), lanes_lock=object(), sessions={}, resident={}, histories={},
                 samplers={}, routes=None, classify=object(), stage_id=b"s")
+    args = {k: native_frames.capsule(k, v) if k in native_frames.POINTER_ARGS else v for k, v in args.items()}
+    args.update(changes if raw else
+                {k: native_frames.capsule(k, v) if k in native_frames.POINTER_ARGS else v for k, v in changes.items()})
+    return args
+
+def lone_args(**changes):
+    args = dict(wait=_frames.ReturnWait(n_vocab=16), template=b"", request_id=b"r", key_prefix=b"p", position=0,
+                token=1, draws=0, limit=1, eog=b"", timeout_s=1.0, sock=None, send_lock=None,
+                gate_pass=_frames.Gate(), stage=None, downstream=None, link=None, on_token=None, bell=None)
     args.update(changes)
     return args
 """
@@ -1041,6 +856,57 @@ def test_a_frame_path_in_a_reference_cycle_is_collected():
     """)
 
 
+def test_a_frame_path_takes_its_pointers_only_as_the_capsules_named_for_them():
+    """A raw address, None for a pointer it needs, another argument's capsule or any other capsule is a
+    TypeError naming the argument, never a pointer dereferenced (the child would crash)."""
+    out = run_isolated("""
+        import datetime  # its C API is a capsule of another name
+        other = native_frames.capsule("mem", 1)
+        for bad in (dict(ctx=1), dict(ctx=None), dict(ctx=other), dict(batch=datetime.datetime_CAPI),
+                    dict(decode=object()), dict(capture=b"x")):
+            try:
+                _frames.FramePath(**fake_args(raw=True, **bad))
+            except TypeError as exc:
+                print(exc)
+            else:
+                raise SystemExit(f"accepted {bad}")
+        _frames.FramePath(**fake_args(raw=True, logits_ith=None, capture=native_frames.capsule("capture", 1),
+                                      routes=object()))  # an inner stage: None where it has no pointer
+        assert native_frames.capsule("embd", 0) is None
+    """)
+    lines = out.splitlines()
+    assert len(lines) == 6, out
+    assert 'ctx must be a capsule named "skippy_stage._frames.ctx", not int' in lines[0]
+    assert "not NoneType" in lines[1]
+    assert 'not one named "skippy_stage._frames.mem"' in lines[2]
+    assert 'batch must be a capsule named "skippy_stage._frames.batch", not one named "datetime.datetime_CAPI"' in lines[3]
+    assert "decode must be" in lines[4] and 'capture must be a capsule named "skippy_stage._frames.capture" or None' \
+        in lines[5]
+
+
+def test_lone_takes_keyword_arguments_only_and_refuses_one_it_does_not_know():
+    """Eighteen arguments by position are one swap away from a wrong one: each is named, and a name
+    the loop does not know is a TypeError before anything runs."""
+    out = run_isolated("""
+        head = _frames.FramePath(**fake_args(capture=1, token=1, embd=0))
+        misnamed = lone_args(bel=None)  # a misspelt bell
+        del misnamed["bell"]
+        for call in (lambda: head.lone(**misnamed), lambda: head.lone(*lone_args().values()),
+                     lambda: head.lone(**{k: v for k, v in lone_args().items() if k != "on_token"})):
+            try:
+                call()
+            except TypeError as exc:
+                print(exc)
+            else:
+                raise SystemExit("accepted")
+    """)
+    lines = out.splitlines()
+    assert len(lines) == 3, out
+    assert "'bel' is an invalid keyword argument for lone()" in lines[0]
+    assert "keyword arguments only (18 positional given)" in lines[1]
+    assert "on_token" in lines[2]
+
+
 @pytest.mark.parametrize("timeout", [math.nan, math.inf, -math.inf, -1.0])
 def test_every_wait_refuses_a_timeout_that_is_not_finite_and_non_negative(timeout):
     """A NaN deadline makes pthread_cond_timedwait fail with EINVAL, at once, forever: a wait that
@@ -1057,8 +923,7 @@ def test_every_wait_refuses_a_timeout_that_is_not_finite_and_non_negative(timeou
                 raise SystemExit(f"{{call}} took {{timeout}}")
         head = _frames.FramePath(**fake_args(capture=1, token=1, embd=0))
         try:
-            head.lone(_frames.ReturnWait(n_vocab=16), b"", b"r", b"p", 0, 1, 0, 1, b"", timeout, None, None,
-                      gate, None, None, None, None, None)
+            head.lone(**lone_args(timeout_s=timeout, gate_pass=gate))
         except ValueError as exc:
             print(exc)
     """)

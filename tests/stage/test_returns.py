@@ -17,8 +17,7 @@ from skippy_stage.config import PeerConfig
 from skippy_stage.errors import DownstreamError
 from skippy_stage.security import Credentials
 from skippy_stage.stage import returns
-from skippy_stage.stage.downstream import HopFuture
-from skippy_stage.stage.returns import ReturnBox, TcpReturn
+from skippy_stage.stage.returns import HopFuture, ReturnBox, TcpReturn
 from skippy_stage.stage.steps import Output, Outputs
 
 OUTPUTS = Outputs([Output("s", 7)], "stage-2")

@@ -191,7 +191,7 @@ class _Collector:
     """Stands in for the final stage below stage-1: keeps the frames it is sent."""
 
     def __init__(self, config) -> None:
-        from skippy_stage.stage.stage import Inbound
+        from skippy_stage.stage.upstream import Inbound
 
         self.config = config
         self.runtime = object()

@@ -1,6 +1,6 @@
 /*
  * The state of the hidden-state capture callback (capture.c), shared with the stages' native
- * frame path (skippy_stage/stage/native/frames.c), which resets it and reads the rows it
+ * frame path (skippy_stage/stage/native/path.c), which resets it and reads the rows it
  * captured. capture.py mirrors it in ctypes: bump skippy_capture_abi_version with any change.
  */
 #ifndef SKIPPY_CAPTURE_H

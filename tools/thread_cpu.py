@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a token's CPU goes, thread by thread: the unsplit model against the pipelines.
 
-    python scripts/thread_cpu.py [--rounds 4] [--tokens 256] [--whole]
+    python tools/thread_cpu.py [--rounds 4] [--tokens 256] [--whole]
 
 Loads llama-cpp-python's unsplit model in a process of its own and the 1-, 2- and 3-stage
 pipelines ``bench`` measures, then in interleaved rounds (the others frozen, as ``bench`` does)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Write docs/configuration.md from StageConfig's own definitions (or check it is current).
 
-    python scripts/config_reference.py          # write docs/configuration.md
-    python scripts/config_reference.py --check  # exit 1 if it is not what the config defines
+    python tools/config_reference.py          # write docs/configuration.md
+    python tools/config_reference.py --check  # exit 1 if it is not what the config defines
 
 Each field's type is its annotation, its default the dataclass default, and its description the
 docstring written under it in ``skippy_stage/config.py``: the page cannot drift from the code
@@ -28,7 +28,7 @@ PAGE = ROOT / "docs" / "configuration.md"
 HEADER = """# Configuration reference
 
 Every field of a stage's config (`StageConfig`, `skippy_stage/config.py`), generated from the
-config's own definitions by `python scripts/config_reference.py`; a test fails when this page and
+config's own definitions by `python tools/config_reference.py`; a test fails when this page and
 the code disagree.
 
 A stage reads its config from a JSON file (`skippy-stage serve --config FILE`); `skippy-stage
@@ -105,7 +105,7 @@ def main() -> int:
     text = render()
     if args.check:
         if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE} is not what skippy_stage/config.py defines: run python scripts/config_reference.py",
+            print(f"{PAGE} is not what skippy_stage/config.py defines: run python tools/config_reference.py",
                   file=sys.stderr)
             return 1
         return 0

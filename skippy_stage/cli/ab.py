@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
-"""Is B faster than A? Single-stream decode of pipeline set-ups, all loaded, in alternating rounds.
+"""``skippy-stage ab``: is B faster than A? Single-stream decode of two set-ups, all loaded, in alternating rounds.
 
-    python scripts/ab_decode.py --a '{"native_frames": false}' --b '{}' [--stages 2,3] [--rounds 16]
-    python scripts/ab_decode.py --a-env GOMP_SPINCOUNT=2000 --b-env GOMP_SPINCOUNT=1000
+    skippy-stage ab --a '{"native_frames": false}' --b '{}' [--stages 2,3] [--rounds 16]
+    skippy-stage ab --a-env GOMP_SPINCOUNT=2000 --b-env GOMP_SPINCOUNT=1000
 
 A and B differ by stage config fields (JSON, on every stage) and/or the stages' environment
 (KEY=VALUE,...). Every set-up of every pipeline size is started once and stays loaded; each round
 decodes greedily through ``bench``'s quiet client (its own process, nice 19) on A and on B (B
-first in odd rounds) while every other pipeline is frozen (``bench._awake``, as ``bench`` does).
+first in odd rounds) while every other pipeline is frozen (as ``bench`` does).
 Prints each round, and per size the mean of the per-round ratios A/B (above 1: B faster) with
 two standard errors, and how many rounds B won.
 
@@ -19,16 +18,41 @@ rounds or so before its ±2 standard errors are narrower than the 1-2 % effects 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import math
 import os
 import re
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from skippy_stage.cli.settings import fields_json
 
 SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
+
+
+def add_ab_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``ab`` on the ``skippy-stage`` subcommand parser."""
+    p = subparsers.add_parser("ab", help="is B faster than A? two pipeline set-ups decoded in alternating rounds, "
+                                         "with the ratio's error",
+                              description=__doc__.split("\n\n", 2)[2].replace("``", ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", type=fields_json, default="{}", metavar="JSON", help="A's stage config fields")
+    p.add_argument("--b", type=fields_json, default="{}", metavar="JSON", help="B's stage config fields")
+    p.add_argument("--a-env", type=_env, default="", metavar="KEY=VALUE,...", help="A's stage environment")
+    p.add_argument("--b-env", type=_env, default="", metavar="KEY=VALUE,...", help="B's stage environment")
+    p.add_argument("--stages", type=_sizes, default="2,3", help="pipeline sizes, of 1, 2 and 3 (default 2,3)")
+    p.add_argument("--rounds", type=int, default=16, help="rounds, each timing A and B back to back (default 16)")
+    p.add_argument("--tokens", type=int, default=100, help="tokens decoded per generation (default 100)")
+    p.set_defaults(func=cmd_ab)
+    return p
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [int(n) for n in text.split(",")]
+    if not sizes or any(n not in SPLITS for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: pipeline sizes are 1, 2 or 3")
+    return sizes
 
 
 def _env(text: str) -> dict[str, str]:
@@ -54,28 +78,17 @@ def _start(n_stages: int, extra: dict, env: dict[str, str], workdir: Path, cache
 
 
 def mean_2se(values: list[float]) -> tuple[float, float]:
+    """(mean, two standard errors) of the per-round ratios; one round has no error (nan)."""
     if len(values) < 2:
         return values[0], math.nan
     return statistics.fmean(values), 2 * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--a", default="{}", help="A's stage config fields (JSON)")
-    parser.add_argument("--b", default="{}", help="B's stage config fields (JSON)")
-    parser.add_argument("--a-env", default="", help="A's stage environment, KEY=VALUE,...")
-    parser.add_argument("--b-env", default="", help="B's stage environment, KEY=VALUE,...")
-    parser.add_argument("--stages", default="2,3")
-    parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=100)
-    args = parser.parse_args()
-    import structlog
-
+def cmd_ab(args: argparse.Namespace) -> int:
     from skippy_stage.cli import bench
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    sides = {"A": (json.loads(args.a), _env(args.a_env)), "B": (json.loads(args.b), _env(args.b_env))}
-    sizes = [int(n) for n in args.stages.split(",")]
+    sides = {"A": (args.a, args.a_env), "B": (args.b, args.b_env)}
+    sizes = args.stages
     runs: dict[tuple[int, str], list[float]] = {(n, side): [] for n in sizes for side in sides}
     # The median "frame sent -> compute starts at the next stage" of each measured run (stage histograms).
     hop_us: dict[tuple[int, str], list[float]] = {(n, side): [] for n in sizes for side in sides}
@@ -119,7 +132,4 @@ def main() -> None:
               f"round {mean:.3f} ± {two_se:.3f} (mean ± 2 s.e.), {sum(r > 1 for r in ratios)} of {len(ratios)} B faster; "
               f"hop latency A {statistics.median(hop_us[(n, 'A')]):.0f} B {statistics.median(hop_us[(n, 'B')]):.0f} us "
               f"(medians of the runs' medians)")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,7 @@
-"""``scripts/token_path.py`` traces a token through real stage processes, step by step.
+"""``skippy-stage profile`` traces a token through real stage processes, step by step.
 
 Every stage marks the same points of its frame path (``skippy_stage/tracing.py``) when
-``SKIPPY_TRACE_DIR`` is set; the script lines the stages' marks up and prints the median of
+``SKIPPY_TRACE_DIR`` is set; the command lines the stages' marks up and prints the median of
 each step. Times are never asserted (machines are noisy): the path is.
 """
 
@@ -13,11 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "token_path.py"
-
 
 def test_a_token_is_traced_from_the_head_through_every_stage_and_back():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--stages", "2", "--tokens", "12", "--rounds", "1"],
+    run = subprocess.run([sys.executable, "-m", "skippy_stage", "--log-level", "warning", "profile", "--stages", "2",
+                          "--tokens", "12", "--rounds", "1", "--fields", '{"n_threads": 2}'],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     steps = re.findall(r"^\s+(S\d:\w+) -> (S\d:\w+)\s+(\d+)$", run.stdout, re.M)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a stage's time per token goes, apart from its layers: the Python on the frame path.
 
-    python scripts/frame_profile.py [--frames 300] [--cold]
+    python tools/frame_profile.py [--frames 300] [--cold]
 
 Loads the packaged SmolLM2 split 0:10/10:20/20:30 in this process and runs each stage's own
 per-token path on a real one-token decode frame, again and again (the same position, rewound):

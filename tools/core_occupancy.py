@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Who holds each core while a pipeline decodes one stream: the time the split loses to others.
 
-    python scripts/core_occupancy.py [--stages 2|3] [--seconds 1.0] [--with-single] [--interval-ms 1000]
+    python tools/core_occupancy.py [--stages 2|3] [--seconds 1.0] [--with-single] [--interval-ms 1000]
                                      [--timeline 25]
 
 Starts the packaged SmolLM2 split as ``bench`` starts it, generates through ``bench``'s quiet
@@ -44,7 +44,7 @@ import threading
 import time
 from pathlib import Path
 
-from thread_cpu import _single, task_stats  # scripts/, beside this one
+from thread_cpu import _single, task_stats  # tools/, beside this one
 
 SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
 STEP_S = 5e-6  # occupancy sampled every 5 us of the recording

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""Where a token's time goes on its way through a pipeline: the median of every step.
+"""``skippy-stage profile``: where a token's time goes on its way through a pipeline, step by step.
 
-    python scripts/token_path.py [--stages 1|2|3] [--tokens 128] [--rounds 3] [--config '{"n_threads": 1}']
+    skippy-stage profile [--stages 1|2|3] [--tokens 128] [--rounds 3] [--fields '{"n_threads": 1}']
 
 Starts the packaged SmolLM2 split into local ``serve`` processes (as ``skippy-stage bench``
 does) with ``SKIPPY_TRACE_DIR`` set, so every stage marks fixed points of its frame path
@@ -18,15 +17,35 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import logging
 import os
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from skippy_stage.cli.settings import fields_json
+from skippy_stage.errors import SkippyError
+
+SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
+
+
+def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``profile`` on the ``skippy-stage`` subcommand parser."""
+    p = subparsers.add_parser("profile", help="follow single tokens through local stage processes: the median "
+                                              "time of every step of their path",
+                              description=__doc__.split("\n\n", 2)[2].replace("``", ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=3, choices=sorted(SPLITS), help="pipeline size (default 3)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens decoded per round (default 128)")
+    p.add_argument("--rounds", type=int, default=3, help="greedy generations traced (default 3)")
+    p.add_argument("--fields", type=fields_json, default="{}", metavar="JSON",
+                   help="stage config fields for every stage, e.g. '{\"n_threads\": 1}'")
+    p.set_defaults(func=cmd_profile)
+    return p
 
 
 def read_marks(trace_dir: Path) -> list[tuple[int, str]]:
+    """(host clock ns, ``S<stage>:<mark>``) of every stage's trace file, in time order."""
     marks = []
     for path in trace_dir.glob("*.trace"):
         stage = path.name.split(".")[0].removeprefix("stage")
@@ -48,39 +67,36 @@ def breakdown(marks: list[tuple[int, str]]) -> tuple[int, int, list[tuple[str, s
         paths[names] += 1
         steps[names].append([(t2 - t1) / 1e3 for (t1, _), (t2, _) in zip(span, span[1:])])
     if not paths:
-        raise SystemExit("no head steps were traced")
+        raise SkippyError("no head steps were traced")
     names, count = paths.most_common(1)[0]
     columns = list(zip(*steps[names]))
     return count, sum(paths.values()), [(n1, n2, statistics.median(col))
                                         for n1, n2, col in zip(names, names[1:], columns)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stages", type=int, default=3, choices=(1, 2, 3))
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--config", default="{}", help="stage config fields (JSON) for every stage")
-    args = parser.parse_args()
+def cmd_profile(args: argparse.Namespace) -> int:
+    from skippy_stage.cli import bench
+    from skippy_stage.model.packaged import smollm2_path
+
     with tempfile.TemporaryDirectory(prefix="skippy-trace-") as tmp:
         trace_dir = Path(tmp) / "trace"
         trace_dir.mkdir()
         (Path(tmp) / "work").mkdir()
-        import structlog
-
-        from skippy_stage.cli import bench
-        from skippy_stage.model.packaged import smollm2_path
-
+        saved = os.environ.get("SKIPPY_TRACE_DIR")
         os.environ["SKIPPY_TRACE_DIR"] = str(trace_dir)  # the stages inherit it (this process is not traced)
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-        ranges = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}[args.stages]
-        pipeline = bench._Pipeline(smollm2_path(), ranges, Path(tmp) / "work", str(Path(tmp) / "slices"),
-                                   extra=json.loads(args.config))
+        try:
+            pipeline = bench._Pipeline(smollm2_path(), SPLITS[args.stages], Path(tmp) / "work",
+                                       str(Path(tmp) / "slices"), extra=args.fields)
+        finally:
+            if saved is None:
+                del os.environ["SKIPPY_TRACE_DIR"]
+            else:
+                os.environ["SKIPPY_TRACE_DIR"] = saved
         try:
             pipeline.generate(bench.PROMPT, 8)
             for _ in range(args.rounds):
                 figures = pipeline.generate(bench.PROMPT, args.tokens + 1)
-                print(f"decode {1e3 / figures['tokens_per_s']:.2f} ms/token (client view)")
+                print(f"decode {1e3 / figures['tokens_per_s']:.2f} ms/token (client view)", flush=True)
         finally:
             pipeline.stop()
         count, seen, table = breakdown(read_marks(trace_dir))
@@ -99,7 +115,4 @@ def main() -> None:
     # Another stage's marks inside a decode (its Python after a send, on the cores the decode
     # uses) count towards that decode: they are what its wall time held.
     print(f"  sum {total:.0f}: llama_decode {decode:.0f}, the rest {total - decode:.0f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

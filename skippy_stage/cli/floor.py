@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""What a split costs before any protocol: the floor under ``bench``'s decode ratios.
+"""``skippy-stage floor``: what a split costs before any protocol, the floor under ``bench``'s decode ratios.
 
-    python scripts/split_floor.py [--rounds 8] [--tokens 100]
+    skippy-stage floor [--rounds 8] [--tokens 100]
 
 Runs the packaged SmolLM2 greedy, one token at a time, four ways, in interleaved rounds (medians):
 
@@ -11,12 +10,12 @@ Runs the packaged SmolLM2 greedy, one token at a time, four ways, in interleaved
   ``multiprocessing`` pipes.
 
 Every contender is the project's own runtime (``StageRuntime.run_batch``, the same slices, 2
-threads, OpenMP's spin count and binding as co-located stages get them) and the driver sends each token over a
-pipe, so ``whole`` pays a hand-off too. The pipes carry no protocol at all: no gRPC, no framing,
-no checks, no lanes beyond the runtime's, no metrics, no return path. What separates ``pipe3``
-from ``whole`` is therefore the split itself (three decodes instead of one: ``chain3``) and
-processes taking turns on the cores; what separates ``bench``'s 3-stage pipeline from ``pipe3``
-is everything the data plane adds.
+threads, OpenMP's spin count and binding as co-located stages get them) and the driver sends
+each token over a pipe, so ``whole`` pays a hand-off too. The pipes carry no protocol at all: no
+gRPC, no framing, no checks, no lanes beyond the runtime's, no metrics, no return path. What
+separates ``pipe3`` from ``whole`` is therefore the split itself (three decodes instead of one:
+``chain3``) and processes taking turns on the cores; what separates ``bench``'s 3-stage pipeline
+from ``pipe3`` is everything the data plane adds.
 
 Where it may (root), the run holds idle CPUs to polling as ``bench``'s stages do
 (``cpu_wake_latency_us: 0``; ``SKIPPY_BENCH_WAKE_LATENCY_US=host`` leaves the host's policy), so
@@ -33,9 +32,24 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Any
+
+from skippy_stage.errors import SkippyError
 
 SPLITS = {"whole": [(0, 30)], "pipe2": [(0, 15), (15, 30)], "pipe3": [(0, 10), (10, 20), (20, 30)],
           "chain3": [(0, 10), (10, 20), (20, 30)]}
+
+
+def add_floor_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``floor`` on the ``skippy-stage`` subcommand parser."""
+    p = subparsers.add_parser("floor", help="the split's floor with no protocol: the unsplit model against its "
+                                            "slices chained and in processes over pipes",
+                              description=__doc__.split("\n\n", 2)[2].replace("``", ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
+    p.add_argument("--tokens", type=int, default=100, help="tokens per round; positions grow across rounds (default 100)")
+    p.set_defaults(func=cmd_floor)
+    return p
 
 
 def _runtimes(ranges, cache_dir: str, indexes):
@@ -116,18 +130,14 @@ class Contender:
             proc.join(30)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=100, help="tokens per round (positions grow across rounds)")
-    args = parser.parse_args()
+def cmd_floor(args: argparse.Namespace) -> int:
     from skippy_stage.cli.bench import wake_latency_setting
     from skippy_stage.config import shared_host_openmp
     from skippy_stage.server.wake_latency import WakeLatencyRequest
 
     os.environ.update(shared_host_openmp(dict(os.environ)))  # as co-located stages get it (children inherit it)
     held = wake_latency_setting()
-    request = None if held is None else WakeLatencyRequest(held, stage_id="split_floor")
+    request = None if held is None else WakeLatencyRequest(held, stage_id="floor")
     with tempfile.TemporaryDirectory(prefix="skippy-floor-") as cache_dir:
         contenders = {name: Contender(name, cache_dir) for name in SPLITS}
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
@@ -146,7 +156,7 @@ def main() -> None:
     for name, contender in contenders.items():
         if contender.tokens != reference:
             at = next(i for i, (a, b) in enumerate(zip(contender.tokens, reference)) if a != b)
-            raise SystemExit(f"{name} decoded token {contender.tokens[at]} at step {at}, whole {reference[at]}")
+            raise SkippyError(f"{name} decoded token {contender.tokens[at]} at step {at}, whole {reference[at]}")
     print(f"{len(reference)} greedy tokens, the same from every contender; idle CPUs "
           + ("held to polling (cpu_wake_latency_us 0)" if request is not None else "under the host's idle policy"))
     whole = statistics.median(w for w, _ in runs["whole"])
@@ -155,7 +165,4 @@ def main() -> None:
         wall = statistics.median(w for w, _ in values)
         decode = statistics.median(d for _, d in values)
         print(f"{name:8} {wall:9.2f} {whole / wall:9.3f} {decode:10.2f}   " + ", ".join(f"{w:.2f}" for w, _ in values))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

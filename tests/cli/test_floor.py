@@ -1,7 +1,7 @@
-"""``scripts/split_floor.py`` measures the split with no protocol: the floor under bench's ratios.
+"""``skippy-stage floor`` measures the split with no protocol: the floor under bench's ratios.
 
 The unsplit model, its slices chained in one process and its slices in processes of their own
-(hidden rows over pipes) decode the same greedy tokens; the script checks that before it
+(hidden rows over pipes) decode the same greedy tokens; the command checks that before it
 prints anything, so its figures compare the same work. Times are never asserted.
 """
 
@@ -10,13 +10,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "split_floor.py"
 
 
 def test_the_split_without_a_protocol_decodes_the_unsplit_models_tokens_and_reports_ratios():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "1", "--tokens", "6"],
+    run = subprocess.run([sys.executable, "-m", "skippy_stage", "--log-level", "warning", "floor", "--rounds", "1",
+                          "--tokens", "6"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "6 greedy tokens, the same from every contender" in run.stdout

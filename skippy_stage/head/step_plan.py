@@ -1,0 +1,130 @@
+"""What the next shared step carries: decode entries first (latency), then prompt chunks within
+the token budget and the final stage's output rows; a speculating session's drafts; a prompt's
+forks joining their source at its last token. Bookkeeping on the tasks alone (no threads, locks
+or network): the scheduler's workers call it for their group each step."""
+
+from __future__ import annotations
+
+from skippy_stage.head.tasks import Task
+from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, StepEntry
+
+
+def plan_step(batch: list[Task], *, n_batch: int, n_ubatch: int,
+              max_context: int) -> tuple[list[StepEntry], list[tuple[Task, int]]]:
+    """Decode entries first (latency), then prompt chunks within the token budget, and within
+    the final stage's output rows (n_ubatch per batch: a verify entry and a speculating
+    session's prompt chunk output every row)."""
+    budget = n_batch
+    outputs = n_ubatch
+    entries: list[StepEntry] = []
+    plan: list[tuple[Task, int]] = []
+    for task in batch:
+        if task.recovering is not None:
+            continue
+        if task.prefilled == len(task.to_feed) and task.last_token is not None and budget > 0 and outputs > 0:
+            position = len(task.prompt) + task.generated - 1
+            drafts = _draft(task, position, min(budget, outputs) - 1, max_context)
+            n = 1 + len(drafts)
+            entries.append(StepEntry(session_id=task.session_id, phase=PHASE_DECODE,
+                                     positions=range(position, position + n), token_ids=[task.last_token, *drafts],
+                                     sample_last=True, sampling=task.sampling,
+                                     rewind=task.drafter is not None, verify=bool(drafts),
+                                     top_logprobs=task.top_logprobs, draws_before=task.samples))
+            plan.append((task, 0))
+            budget -= n
+            outputs -= n
+    for task in batch:
+        if _source(task) is not None:
+            continue  # it joins its source's step
+        feed = task.to_feed
+        hold = _hold(task)
+        remaining = (len(feed) if hold is None else hold) - task.prefilled
+        # a reference computing logits for every row (speculation, logprobs) has these shapes; so
+        # do the prompt's chunks when its logprobs are asked
+        every_row = task.drafter is not None or task.top_logprobs is not None \
+            or (task.prompt_logprobs is not None and task.prefilled < len(task.prompt))
+        if task.recovering is not None or budget <= 0 or outputs <= 0:
+            continue
+        if hold is not None and remaining == 0:
+            taken = _fork_entries(task, hold, budget, outputs, entries, plan, batch)
+            budget -= taken
+            outputs -= taken
+            continue
+        if remaining <= 0:
+            continue
+        n = min(remaining, n_ubatch, budget, outputs if every_row else budget)
+        start = task.prefilled
+        if task.replay is not None:
+            # Re-feed tokens as they were first computed: llama.cpp's kernels differ between
+            # one-token and larger batches (up to 0.6 in a logit on an AVX2 EPYC), so KV
+            # rebuilt in one big batch could steer a greedy text elsewhere. The prompt goes in
+            # chunks as before, each generated token in a step of its own.
+            n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
+        # After a recovery the next input token is already known: do not sample again.
+        last = start + n == len(feed) and task.last_token is None
+        in_prompt = task.prompt_logprobs is not None and start < len(task.prompt)
+        entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
+                                 positions=range(start, start + n), token_ids=feed[start : start + n],
+                                 sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
+                                 top_logprobs=task.top_logprobs if last else None,
+                                 all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
+                                 next_token=feed[start + n] if in_prompt and start + n < len(task.prompt)
+                                 else None, draws_before=task.samples if last else 0))
+        plan.append((task, n))
+        budget -= n
+        outputs -= n if every_row else int(last)
+    return entries, plan
+
+
+def _source(task: Task) -> Task | None:
+    """The session ``task`` will start as a copy of, while that is still on; else None (and it
+    prefills the prompt itself, as after a recovery of either)."""
+    source = task.fork_from
+    if source is None:
+        return None
+    if (source.cancelled or source.recovering is not None or source.replay is not None or source.hold_at is None
+            or task.cancelled or task.recovering is not None or task.replay is not None):
+        task.fork_from = None
+        return None
+    return source
+
+
+def _hold(task: Task) -> int | None:
+    """Where ``task``'s prefill waits for its forks (None: it does not, or no longer)."""
+    if task.hold_at is not None and (task.replay is not None
+                                     or not any(_source(f) is task for f in task.forks)):
+        task.hold_at = None
+    return task.hold_at
+
+
+def _fork_entries(source: Task, hold: int, budget: int, outputs: int, entries: list[StepEntry],
+                  plan: list[tuple[Task, int]], batch: list[Task]) -> int:
+    """The step that feeds the prompt's last token to ``source`` and to each fork of this step's
+    batch (a freed one is in no batch), which starts as a copy of ``source``'s KV up to it: one row
+    and one sample each. Returns the rows taken (0: not this step, the batch is too full)."""
+    family = [source, *(f for f in source.forks if f in batch and _source(f) is source)]
+    if len(family) > min(budget, outputs):
+        return 0
+    for member in family:
+        entries.append(StepEntry(session_id=member.session_id, phase=PHASE_PREFILL,
+                                 positions=range(hold, hold + 1), token_ids=member.prompt[hold : hold + 1],
+                                 sample_last=True, sampling=member.sampling, top_logprobs=member.top_logprobs,
+                                 all_rows=member.drafter is not None or member.top_logprobs is not None,
+                                 fork_of=None if member is source else source.session_id))
+        plan.append((member, hold + 1 - member.prefilled))
+    return len(family)
+
+
+def _draft(task: Task, position: int, room: int, max_context: int) -> list[int]:
+    """The tokens ``task`` drafts to follow its last one this step (llama-cpp-python's schedule:
+    drafted from every token so far, the last sampled one included, as many as the drafter
+    gives up to k, capped only by the session's KV cells and the batch)."""
+    task.drafted = 0
+    if task.drafter is None or task.draft_budget is None:
+        return []
+    k = min(task.draft_budget.next_k(), room, max_context - position - 1)
+    if k <= 0:
+        return []
+    drafts = task.drafter([*task.history, task.last_token], k)[:k]
+    task.drafted = len(drafts)
+    return drafts
