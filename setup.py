@@ -16,7 +16,7 @@ the flags changed), and point the tests (and the processes they start) at it::
     SKIPPY_SANITIZE=1 python setup.py build_ext --inplace --force
     LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \\
         UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONPATH=$PWD \\
-        python -m pytest -q -p no:cacheprovider tests/stage/test_native_frames.py
+        python -m pytest -q -s -p no:cacheprovider tests/stage/test_native_frames.py
 
 (docs/architecture.md, "Building with sanitizers".)
 """

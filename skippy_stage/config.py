@@ -215,6 +215,8 @@ class PeerConfig:
 
 DRAFTERS = ("none", "ngram", "model")
 MAX_DRAFT_K = 16
+# Most speculative windows of one session in flight at the head (verify_window_depth).
+MAX_VERIFY_WINDOW_DEPTH = 8
 AUTO_DRAFT_K = 8  # k="auto": adaptive drafting, at most this many tokens per step
 MAX_NGRAM = 8
 MTP_REFUSAL = ("native multi-token-prediction heads are not supported: the pinned llama.cpp "
@@ -398,6 +400,11 @@ class StageConfig:
     At most 2 GiB - 1: gRPC counts a message's bytes in a signed 32-bit integer."""
     max_inflight: int = 1
     """Head: batches in flight at once (disjoint session groups); at most ``lane_count``."""
+    verify_window_depth: int = 4
+    """Head: most speculative verify windows of one session in flight (1..8). While a window is verified
+    the head drafts the next from the guess that it is all kept and sends it; a window cut short makes the
+    later ones stale (dropped, their rows rewound). Each session keeps as many as pay, measured from its
+    drafts' acceptance and the chain's trip time (over slow links more); 1: one window per trip."""
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on this port; unset: no metrics endpoint."""
     cpu_wake_latency_us: int | None = None
@@ -727,6 +734,9 @@ def _validate(cfg: StageConfig) -> None:
         raise _fail(cfg, "max_message_bytes", cfg.max_message_bytes,
                     f"must be <= {MAX_MESSAGE_BYTES} (2 GiB - 1: gRPC counts message bytes in a signed 32-bit int)")
     _require_int(cfg, "max_inflight", 1)
+    _require_int(cfg, "verify_window_depth", 1)
+    if cfg.verify_window_depth > MAX_VERIFY_WINDOW_DEPTH:
+        raise _fail(cfg, "verify_window_depth", cfg.verify_window_depth, f"must be <= {MAX_VERIFY_WINDOW_DEPTH}")
     for name in ("metrics_port", "http_port", "frame_port"):
         _require_int(cfg, name, 0, optional=True)
         if getattr(cfg, name) is not None and getattr(cfg, name) > 65535:

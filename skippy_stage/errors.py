@@ -8,7 +8,8 @@ here what a client may see::
     SkippyError
     ├── ConfigError               bad stage config               -> (start-up failure)
     │   └── ModelFileError        the GGUF is unusable: names the file, the key, the fault
-    ├── PlanError                 the nodes cannot hold the model -> (``plan`` fails)
+    ├── PlanError                 ``plan``'s input is wrong       -> (``plan`` fails)
+    │   └── DoesNotFitError       the nodes cannot hold the model: says by how much
     ├── UnsupportedModelError     architecture not proven        -> FAILED_PRECONDITION
     ├── SliceError                a GGUF could not be sliced     -> (start-up failure)
     ├── InvalidRequestError       a client field is wrong        -> INVALID_ARGUMENT
@@ -43,7 +44,16 @@ class ModelFileError(ConfigError):
 
 
 class PlanError(SkippyError):
-    """The nodes cannot hold the model as asked; the message says by how much."""
+    """A plan cannot be made as asked: a bad node list, model file or setting."""
+
+
+class DoesNotFitError(PlanError):
+    """The nodes cannot hold the model as asked; the message says by how much, and ``brief`` says
+    it in a few words (a candidate's row in ``plan``'s table)."""
+
+    def __init__(self, message: str, *, brief: str) -> None:
+        super().__init__(message)
+        self.brief = brief
 
 
 class UnsupportedModelError(SkippyError):

@@ -154,6 +154,9 @@ class StageMetrics:
                                     "decoding (sent through the chain to be verified)", registry=r)
         self.spec_accepted = Counter("skippy_spec_accepted_tokens", "Drafted tokens the final stage's samples "
                                      "agreed with (kept)", registry=r)
+        self.spec_stale = Counter("skippy_spec_stale_tokens", "Rows of speculative windows sent in flight that "
+                                  "turned stale (a window before them was cut short): computed, not sampled",
+                                  registry=r)
         self.session_forks = Counter("skippy_session_forks", "New sessions that started as a copy of a live "
                                      "session's KV (fork_of: n choices of one prompt)", registry=r)
         self.fork_tokens_copied = Counter("skippy_fork_tokens_copied", "Tokens whose KV a fork copied instead of "
@@ -177,6 +180,10 @@ class StageMetrics:
                 ("kv_cells_total", "KV cells in the pool admission counts against"),
                 ("queue_depth", "Sessions waiting for admission at the head"),
                 ("resident_prefixes", "Finished sessions' KV kept as resident prefixes"),
+                ("downstream_rtt_seconds", "Round trip to the downstream over its link: median of the last health "
+                 "probes' answers (0 until one is answered)"),
+                ("return_rtt_seconds", "Final stage: round trip to the head over the direct return's link, "
+                 "measured the same way (0 until measured)"),
             )
         }
         self.info = Gauge("skippy_stage_info", "Identity of this stage", ["stage_id"], registry=r).labels(**s)

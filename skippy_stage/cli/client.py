@@ -63,7 +63,10 @@ def add_speculative_flags(p: argparse.ArgumentParser, *, model: bool) -> None:
 
 def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float, seed: int | None,
               chat: bool, out: TextIO = sys.stdout, credentials: Credentials | None = None,
-              speculative: dict[str, object] | None = None, stream_interval_ms: int | None = None) -> dict[str, float]:
+              speculative: dict[str, object] | None = None, stream_interval_ms: int | None = None,
+              record_schedule: str | None = None) -> dict[str, float]:
+    """Stream one generation's text to ``out``; its timing figures. ``record_schedule``: a file to
+    write the batch schedule the pipeline ran to (``skippy-stage replay``)."""
     import grpc
 
     from skippy_stage.v1 import stage_pb2 as pb
@@ -80,6 +83,7 @@ def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float,
         request.speculative.CopyFrom(pb.Speculative(**fields))
     if stream_interval_ms is not None:
         request.stream_interval_ms = stream_interval_ms
+    request.record_schedule = record_schedule is not None
     if chat:
         request.messages.append(pb.ChatMessage(role="user", content=prompt))
     else:
@@ -102,6 +106,8 @@ def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float,
         except grpc.RpcError as err:
             raise SkippyError(f"Generate failed: {err.code().name}: {err.details()}") from None
     elapsed = time.perf_counter() - started
+    if record_schedule is not None and final is not None:
+        Path(record_schedule).write_text(final.schedule_json)
     n = final.completion_tokens if final else 0
     return {"ttft_s": first or elapsed, "seconds": elapsed, "completion_tokens": n,
             "prompt_tokens": final.prompt_tokens if final else 0,

@@ -1,6 +1,6 @@
 """The ``skippy-stage`` command: one stage daemon, local pipelines, and what measures and proves them.
 
-Subcommands: serve, up, generate, demo, bench, profile, floor, ab, plan, slice, verify, check, info.
+Subcommands: serve, up, generate, demo, bench, profile, floor, ab, plan, slice, verify, replay, check, info.
 
 Logs go to stderr, results (generated text, the head endpoint) to stdout. A failure at
 start exits non-zero with one line that names the cause.
@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from skippy_stage import logs
 from skippy_stage.cli.client import add_speculative_flags, client_credentials, generate, speculative_flags
@@ -31,6 +32,9 @@ from skippy_stage.cli.local import (
 from skippy_stage.cli.settings import apply_settings
 from skippy_stage.config import WIRE_DTYPES, StageConfig
 from skippy_stage.errors import SkippyError
+
+if TYPE_CHECKING:
+    from skippy_stage.cli.bench import BenchPlan
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -126,7 +130,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     generate(args.endpoint, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
               seed=args.seed, chat=args.chat, credentials=client_credentials(args),
-              speculative=speculative_flags(args))
+              speculative={**speculative_flags(args), **({"window_depth": args.window_depth} if args.window_depth else {})},
+              record_schedule=args.record_schedule)
     if sys.stdout.isatty():
         sys.stdout.write("\n")  # only for people: piped output is exactly the generated text
     return 0
@@ -157,10 +162,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_plan(args: argparse.Namespace) -> BenchPlan:
+    """What ``bench``'s flags ask for. ``--link-delay-ms D`` asks about a link: the wan section at D
+    (and at 0, the floor's), and only that section unless ``--only`` says otherwise."""
+    from skippy_stage.cli.bench import SECTIONS, BenchPlan, WanSetup
+
+    wan = WanSetup.from_flags(args.wan_delays_ms, args.link_delay_ms, args.link_mbit)
+    sections = args.only or (("wan",) if args.link_delay_ms is not None else SECTIONS)
+    link_flags = args.link_delay_ms is not None or args.wan_delays_ms is not None or args.link_mbit is not None
+    if "wan" not in sections and link_flags:
+        raise SkippyError("--link-delay-ms, --wan-delays-ms and --link-mbit set the wan section, which --only leaves out")
+    return BenchPlan(sections=sections, settings=tuple(args.settings), wan=wan)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from skippy_stage.cli.bench import format_table, run
 
-    report = run(args.json, args.settings)
+    report = run(args.json, bench_plan(args))
     print(format_table(report))
     if args.json:
         print(f"# JSON written to {args.json}", file=sys.stderr)
@@ -207,6 +225,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     n_threads=args.threads or None)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
     return 0 if report.exact else 1
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from skippy_stage.model.replay import format_report, replay
+    from skippy_stage.model.schedule import Schedule
+
+    report = replay(Schedule.from_json(Path(args.schedule).read_text()), args.model, n_threads=args.threads or None)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0 if report.exact else 1
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    """--only: section names separated by commas."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("names no section")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="client key (mutual TLS)")
     p.add_argument("--token-file", help="file holding the bearer token")
+    p.add_argument("--window-depth", type=int, default=None, metavar="N",
+                   help="most speculative windows in flight for this generation (at most the head's "
+                        "verify_window_depth; 1: one per trip)")
+    p.add_argument("--record-schedule", metavar="FILE", default=None,
+                   help="record the batch schedule the pipeline runs and write it here (JSON), for replay")
     add_speculative_flags(p, model=False)
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
@@ -277,6 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure the split's cost against the unsplit model, in one run")
     p.add_argument("--json", help="also write the figures as JSON here")
+    p.add_argument("--only", type=_sections, default=None, metavar="SECTION[,SECTION]",
+                   help="run these sections only: decode, batched, chat, speculative, repack, floors, wan "
+                        "(default: all)")
+    delays = p.add_mutually_exclusive_group()
+    delays.add_argument("--wan-delays-ms", default=None, metavar="D[,D...]",
+                        help="the wan section's one-way delays per edge, in ms (default 0,2,10; 0 is always "
+                             "measured: the floor is 3 x D + the zero-delay decode)")
+    delays.add_argument("--link-delay-ms", type=float, default=None, metavar="D",
+                        help="the wan section at D ms one-way per edge (and at 0, for the floor); only the wan "
+                             "section runs unless --only says otherwise. Links are emulated by a relay in this "
+                             "process: a test tool")
+    p.add_argument("--link-mbit", type=float, default=None, metavar="M",
+                   help="the wan section: cap each edge at M Mbit/s each way, at every delay (0 included)")
     add_set_flag(p)
     p.set_defaults(func=cmd_bench)
 
@@ -314,6 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("replay", help="run a schedule `generate --record-schedule` wrote on the unsplit MODEL and "
+                                      "check bit-identical logits and tokens (exit 0 only when exact, 1 naming the "
+                                      "first step that differs)")
+    p.add_argument("schedule", help="the schedule's JSON file")
+    p.add_argument("--model", required=True, help="the whole model's GGUF (the pipeline's model_path)")
+    p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: the head's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_replay)
     return parser
 
 

@@ -45,6 +45,7 @@ class SpeculativeRequest:
     k: int | str | None = None  # a number (fixed drafting) or "auto" (adaptive)
     ngram: int | None = None
     adaptive: bool | None = None
+    window_depth: int | None = None  # most windows in flight (at most the head's verify_window_depth)
 
     def over(self, base: SpeculativeConfig) -> SpeculativeConfig:
         """These settings over the head's, refused by field (INVALID_ARGUMENT)."""

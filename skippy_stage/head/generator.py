@@ -17,19 +17,23 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import llama_cpp
 import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from skippy_stage.config import SpeculativeConfig
 from skippy_stage.errors import ConfigError, InvalidFieldError, InvalidRequestError
 from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, SpeculativeRequest
 from skippy_stage.head.prefixes import PrefixCache
+from skippy_stage.head.recording import ScheduleRecorder
 from skippy_stage.head.scheduler import Scheduler, SchedulerLimits
 from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
 from skippy_stage.model.logprobs import TokenLogprob
 from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, parse_grammar
+from skippy_stage.model.schedule import Schedule, context_of, sampling_of
 from skippy_stage.stage.stage import Stage
 from skippy_stage.stage.steps import Outputs, Step
 
@@ -56,6 +60,8 @@ class GenerateSpec:
     max_tokens_fit: bool = False
     # Tokens within this many ms of the last delivery go together (None: the head's stream_interval_ms).
     stream_interval_ms: float | None = None
+    # Record the batch schedule the pipeline runs (``Finish.schedule_json``, for ``skippy-stage replay``).
+    record_schedule: bool = False
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -76,6 +82,7 @@ class Finish:
     completion_tokens: int
     session_id: str
     cached_tokens: int = 0  # prompt tokens whose KV came from a resident prefix
+    schedule_json: str = ""  # the recorded schedule (``GenerateSpec.record_schedule``)
 
 
 class StopScanner:
@@ -200,16 +207,18 @@ class Generator:
                 n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, max_inflight=cfg.max_inflight,
                 max_queue=cfg.admission_queue, max_queue_wait_s=cfg.admission_wait_s,
                 step_timeout_s=stage.timeouts.step_s, recovery_wait_s=cfg.recovery_wait_s,
-                stream_interval_s=cfg.stream_interval_ms / 1e3,
+                stream_interval_s=cfg.stream_interval_ms / 1e3, window_depth=cfg.verify_window_depth,
             ),
             chain_ready=lambda: stage.ready,
             # The previous step's tokens go to their handlers once this step's frame has left.
             step=lambda request, timeout: stage.process(request, timeout, on_sent=self.scheduler.flush_events),
+            send=lambda request, timeout: stage.start_step(request, timeout, on_sent=self.scheduler.flush_events),
             drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.drop_s),
             is_eog=runtime.tokenizer.is_eog,
             stage_id=cfg.stage_id,
             on_recovery=stage.metrics.session_recoveries.inc,
             on_speculation=on_speculation,
+            on_stale=metrics.spec_stale.inc,
             lone=self._lone(stage, runtime),
             **self._prefix_cache(stage, runtime),
         )
@@ -324,9 +333,23 @@ class Generator:
             if speculation.enabled:
                 task.drafter = self.drafters.for_spec(speculation)
                 task.draft_budget = DraftBudget(speculation.k, speculation.adaptive)
+                task.window_depth = spec.speculative.window_depth if spec.speculative is not None else None
+            if spec.record_schedule:
+                task.schedule = self._recorder(task, speculation)
             tasks.append(task)
         self.scheduler.submit(tasks[0], tasks[1:], share_prompt=self.runtime.cuttable)
         return tasks
+
+    def _recorder(self, task: Task, speculation: SpeculativeConfig) -> ScheduleRecorder:
+        """An empty schedule for ``task``: what a replay needs besides the steps (the context the
+        head's runtime made, the sampling settings, the prompt and the limits a generation ends at)."""
+        cfg = self.stage.config
+        drafting = dataclasses.asdict(speculation)
+        drafting.pop("model_path", None)
+        return ScheduleRecorder(Schedule(
+            model=Path(cfg.model_path).name, context=context_of(cfg, self.runtime.n_ctx),
+            sampling=sampling_of(task.sampling), prompt=list(task.prompt), max_tokens=task.max_tokens,
+            max_context=self.max_context, speculative=drafting if speculation.enabled else {}))
 
     def pieces(self, task: Task, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
                is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish | PromptLogprobs]:
@@ -393,7 +416,9 @@ class Generator:
                     timing.piece(task, len(pending_ids))
                     yield Piece(tail, pending_ids, pending_lps)
             timing.end(completion)
-            yield Finish(reason, len(task.prompt), completion, task.session_id, task.cached_tokens)
+            yield Finish(reason, len(task.prompt), completion, task.session_id, task.cached_tokens,
+                         task.schedule.finish(reason, wait_s=self.stage.timeouts.step_s)
+                         if task.schedule is not None else "")
         finally:
             task.cancel()  # the scheduler frees the session on every stage
 

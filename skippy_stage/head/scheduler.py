@@ -10,6 +10,11 @@ Admission is against the lanes and the KV pool; a bounded queue holds sessions t
 for room. A full queue, or a wait longer than ``admission_wait_s``, is refused with
 CapacityError carrying a retry hint — never a crash, never an unbounded wait.
 
+A group with a speculating session keeps up to ``window_depth`` of its verify windows in flight
+(``_run_windows``; the policy and the window's bookkeeping are ``windows``): the next window goes
+out on the guess that the one before it is kept whole, and a window cut short makes those behind
+it stale. Every other case runs one step at a time (``_run_step``).
+
 The step and drop actions are injected (``Stage.process`` / ``Stage.drop_session`` at run
 time), so the bookkeeping here is tested without a model. What a step carries is decided in
 ``step_plan``; the tasks and the events their handlers receive are ``tasks``.
@@ -24,6 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -39,11 +45,13 @@ from skippy_stage.errors import (
     is_prefix_miss,
 )
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.step_plan import plan_step
+from skippy_stage.head.step_plan import chain_window, live_windows, plan_step
 from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
+from skippy_stage.head.windows import ChainTiming, Window, WindowDepth
 from skippy_stage.model.logprobs import TokenLogprob
 from skippy_stage.model.sampling import plain_greedy
-from skippy_stage.stage.steps import PHASE_DECODE, Outputs, Step, StepEntry
+from skippy_stage.model.schedule import ScheduleStep
+from skippy_stage.stage.steps import PHASE_DECODE, Output, Outputs, Step, StepEntry
 
 log = structlog.get_logger("skippy_stage.scheduler")
 
@@ -68,9 +76,12 @@ class SchedulerLimits:
     recovery_wait_s: float = 15.0
     # Tokens sampled within this long of a task's last delivery wait for the next (0: each at once).
     stream_interval_s: float = 0.0
+    # Most speculative windows of one session in flight (1: one step at a time; ``windows``).
+    window_depth: int = 1
 
 
 StepFn = Callable[[Step, float], Outputs]
+
 # The head's lone greedy generation (``Stage.process_lone``): the step, its timeout, the callback
 # for each token fed after the first (None for the first step) that says whether to go on (and,
 # called from C, whether to ring the handler's bell), how many tokens may come back before the
@@ -79,6 +90,30 @@ LoneFn = Callable[[Step, float, Callable[..., int], int, object], Outputs]
 DropFn = Callable[[str], None]
 PrefixEvent = Callable[[str, int], None]  # ("hit", tokens reused) or ("miss", 0)
 IsEog = Callable[[int], bool]
+
+
+class InFlight(Protocol):
+    """A step sent on (``FramePath.start_step``): ``result`` waits for its outputs."""
+
+    sent_at: float  # perf_counter at the send
+    returned_at: float | None  # perf_counter when the outputs arrived (None: not yet)
+
+    def result(self) -> Outputs: ...
+
+
+# Send a step on without waiting for it (the head keeps speculative windows in flight).
+SendFn = Callable[[Step, float], InFlight]
+
+
+@dataclass
+class _Sent:
+    """A step of ``_run_windows`` in flight: its entries' tasks and windows, in entry order."""
+
+    request_id: str
+    flight: InFlight
+    plan: list[tuple[Task, int]]
+    windows: list[Window]
+    recorded: dict[int, ScheduleStep]
 
 
 class Scheduler:
@@ -90,7 +125,8 @@ class Scheduler:
                  on_prefix: PrefixEvent = lambda kind, tokens: None,
                  on_recovery: Callable[[], None] = lambda: None,
                  on_speculation: Callable[[int, int], None] = lambda drafted, accepted: None,
-                 lone: LoneFn | None = None) -> None:
+                 on_stale: Callable[[int], None] = lambda rows: None,
+                 lone: LoneFn | None = None, send: SendFn | None = None) -> None:
         """``retire`` and ``prefixes`` turn the prefix cache on: a finished session is retired on
         every stage (its KV kept under its id) instead of dropped, and a new one starts from the
         resident prefix sharing most of its prompt."""
@@ -102,6 +138,9 @@ class Scheduler:
         self._on_speculation = on_speculation
         self._chain_ready = chain_ready
         self._step = step
+        self._send = send
+        self.timing = ChainTiming()  # what a window's trip costs, for every session's depth
+        self._on_stale = on_stale
         self._lone = lone
         self._drop = drop
         self._is_eog = is_eog
@@ -215,8 +254,9 @@ class Scheduler:
                     self._claim_prefix(member)
 
     def _claim_prefix(self, task: Task) -> None:
-        if self.prefixes is None or task.replay is not None or task.prefilled or task.prompt_logprobs is not None:
-            return  # (a prompt's logprobs need every prompt row computed)
+        if (self.prefixes is None or task.replay is not None or task.prefilled or task.prompt_logprobs is not None
+                or task.schedule is not None):
+            return  # (a prompt's logprobs need every prompt row computed; a schedule, every row fed)
         # A source of forks keeps at least the token before its hold to prefill: the step that carries
         # the prefix is never the one its forks copy it in.
         match = self.prefixes.claim(task.prompt if task.hold_at is None else task.prompt[: task.hold_at])
@@ -235,6 +275,9 @@ class Scheduler:
         while True:
             with self._cond:
                 finished = [t for t in group if t.cancelled]
+            for task in finished:  # nothing of it is in flight: its record is complete
+                if task.schedule is not None:
+                    task.schedule.settle()
             # Free finished sessions on every stage *before* their lanes count as free here:
             # otherwise another worker admits a session into a lane a stage still holds.
             for task in finished:
@@ -258,7 +301,10 @@ class Scheduler:
                 self.flush_events()
             if batch:
                 try:
-                    self._run_step(batch)
+                    if self._windowed(batch):
+                        self._run_windows(batch)
+                    else:
+                        self._run_step(batch)
                 except Exception as exc:
                     self.flush_events()
                     self.log.exception("scheduler step crashed", sessions=[t.session_id for t in batch])
@@ -418,6 +464,7 @@ class Scheduler:
             self.flush_events()
             return
         request = Step(request_id=f"step-{next(self._batch_ids)}", entries=entries)
+        recorded = self._record_sent(plan, entries)
         tracing.mark("built")
         try:
             limit = self._lone_limit(batch, plan, entries)
@@ -435,96 +482,289 @@ class Scheduler:
             else:
                 response = self._step(request, self.limits.step_timeout_s)
         except SkippyError as exc:
-            self.flush_events()
-            # UNAVAILABLE: a stage below is gone. NOT_FOUND from below: a stage lost sessions the
-            # head still holds (it restarted between steps, or freed them after the chain broke
-            # behind a direct return). Either way re-prefilling through the chain recovers them.
-            recoverable = isinstance(exc, DownstreamError) and exc.code_name in ("UNAVAILABLE", "NOT_FOUND") \
-                and self.limits.recovery_wait_s > 0
-            # A stage that lost a resident prefix: the stages above it ran the step, those below did
-            # not, so every session of the step prefills again from scratch, the lost prefix's too.
-            miss = is_prefix_miss(exc)
-            self.log.warning("step failed", request_id=request.request_id, error=str(exc),
-                             recovering=recoverable or miss, prefix_miss=miss, sessions=[t.session_id for t, _ in plan])
-            lost = []
-            if isinstance(exc, PrefixMissError):
-                # This stage refused the batch before running any of it: only the sessions that named
-                # a prefix start over, under the same id, from position 0.
-                for task, _ in plan:
-                    if task.prefix_id is not None:
-                        self._on_prefix("miss", 0)
-                        lost.append(task.prefix_id)
-                        task.prefix_id, task.cached_tokens, task.prefilled = None, 0, 0
-                for prefix_id in lost:
-                    self._drop_quietly(prefix_id)
-                return
+            self._step_failed(exc, request.request_id, plan, recorded)
+            return
+        self._take_outputs(response, plan, recorded)
+
+    # -- speculative windows in flight (``windows``) ------------------------------------
+
+    def _windowed(self, batch: list[Task]) -> bool:
+        """Whether ``batch`` runs with windows in flight: a session of it speculates, the head can
+        send a step without waiting for it (``send``), depth may exceed one, and no session needs
+        steps of its own (forks holding for their source)."""
+        return (self._send is not None and self.limits.window_depth > 1 and any(t.drafter is not None for t in batch)
+                and not any(t.forks or t.fork_from is not None or t.hold_at is not None for t in batch))
+
+    def _run_windows(self, batch: list[Task]) -> None:
+        """``batch``'s steps with speculative windows in flight: send whatever can go — the next entry
+        of every session with nothing live in flight (``plan_step``: a rewind to where it really is,
+        after a cut-short window) and a window chained behind each speculating session's live ones
+        within its depth (``chain_window``) — then take the oldest step's outputs; until the group
+        must change (a session ended or waits to recover, or another waits for a lane) and nothing is
+        in flight. Outputs come back in the order the steps left: the frames of an edge keep it."""
+        self._recover(batch)
+        waiting = {id(t) for t in batch if t.recovering is not None}  # for the chain: the others go on
+        for task in batch:
+            if task.drafter is not None and task.depth is None:
+                limit = min(task.window_depth or self.limits.window_depth, self.limits.window_depth)
+                task.depth = WindowDepth(limit, self.timing)
+        inflight: deque[_Sent] = deque()
+        try:
+            while True:
+                if not self._must_regroup(batch, waiting):
+                    while (sent := self._send_windows(batch)) is not None:
+                        inflight.append(sent)
+                if not inflight:
+                    self.flush_events()
+                    return
+                self._take_windows(inflight.popleft())
+        finally:
+            for task in batch:
+                task.windows.clear()
+
+    def _must_regroup(self, batch: list[Task], waiting: set[int]) -> bool:
+        """Stop sending: a session of the group ended, or its step failed and it must recover (its
+        lane is freed, or its session replaced, only with nothing in flight; ``waiting``: those that
+        already wait for the chain to come back), a session waits for a lane this group could take,
+        or the head closes."""
+        if any(t.cancelled or (t.recovering is not None and id(t) not in waiting) for t in batch):
+            return True
+        with self._cond:
+            free = self.limits.lane_count - sum(len(g) for g in self._groups)
+            return self._closed or (bool(self._waiting) and free > 0)
+
+    def _send_windows(self, batch: list[Task]) -> _Sent | None:
+        """One step of what can go now (see ``_run_windows``), sent on; None when nothing can."""
+        ready = [t for t in batch if not live_windows(t) and not t.cancelled]
+        entries, plan = plan_step(ready, n_batch=self.limits.n_batch, n_ubatch=self.limits.n_ubatch,
+                                  max_context=self.limits.max_context) if ready else ([], [])
+        windows = []
+        for (task, n_prefill), entry in zip(plan, entries):
+            windows.append(Window(start=int(entry.positions[0]), tokens=[int(t) for t in entry.token_ids],
+                                  n_prefill=n_prefill, drafted=task.drafted, samples=entry.sample_last))
+            task.drafted = 0
+        rows = sum(len(e.positions) for e in entries)
+        outputs = sum(len(e.positions) if e.verify or e.all_rows or e.prompt_logprobs is not None
+                      else int(e.sample_last) for e in entries)
+        planned = {id(t) for t, _ in plan}
+        for task in batch:
+            room = min(self.limits.n_batch - rows, self.limits.n_ubatch - outputs)
+            if room <= 0:
+                break
+            chained = None if id(task) in planned else chain_window(task, room=room,
+                                                                    max_context=self.limits.max_context)
+            if chained is not None:
+                entry, window = chained
+                entries.append(entry)
+                plan.append((task, 0))
+                windows.append(window)
+                rows += len(window.tokens)
+                outputs += len(window.tokens)
+        if not entries:
+            return None
+        request = Step(request_id=f"step-{next(self._batch_ids)}", entries=entries)
+        recorded = self._record_sent(plan, entries)
+        for (task, _), window in zip(plan, windows):
+            window.record = recorded.get(id(task))
+            task.windows.append(window)
+        tracing.mark("built")
+        try:
+            flight = self._send(request, self.limits.step_timeout_s)
+        except SkippyError as exc:
+            for (task, _), window in zip(plan, windows):
+                task.windows.remove(window)
+            self._step_failed(exc, request.request_id, plan, recorded)
+            return None
+        return _Sent(request.request_id, flight, plan, windows, recorded)
+
+    def _take_windows(self, sent: _Sent) -> None:
+        """The oldest step in flight came back (or failed): each window's outputs, in order."""
+        try:
+            response = sent.flight.result()
+        except SkippyError as exc:
+            failing = []
+            for (task, n_prefill), window in zip(sent.plan, sent.windows):
+                task.windows.remove(window)
+                if window.stale or task.cancelled or task.recovering is not None:
+                    if task.schedule is not None and window.record is not None:
+                        task.schedule.failed(window.record, exc)
+                    continue
+                task.stale_windows()  # nothing behind it can be kept: the session recovers or fails
+                failing.append((task, n_prefill))
+            if failing:
+                self._step_failed(exc, sent.request_id, failing, sent.recorded)
+            return
+        arrived = sent.flight.returned_at or time.perf_counter()
+        self.timing.trip(arrived - sent.flight.sent_at)
+        for task, _ in sent.plan:
+            if task.arrived_at is not None and task.arrived_at > sent.flight.sent_at:
+                self.timing.gap(arrived - task.arrived_at)  # both were in flight: what one more costs
+                break
+        else:
+            self.timing.relax()
+        for task, _ in sent.plan:
+            task.arrived_at = arrived
+        self._take_outputs(response, sent.plan, sent.recorded, sent.windows)
+
+    def _window_returned(self, task: Task, window: Window, out: Output, final_stage_id: str,
+                         recorded: dict[int, ScheduleStep]) -> None:
+        """One window's outputs: dropped when stale; else taken, and every later window of the task
+        turns stale unless this one was kept whole and the next one's first token is its last sample."""
+        task.windows.remove(window)  # the task's oldest
+        stale = window.stale or task.cancelled
+        if window.chained and not stale and out.token is None:
+            # The final stage found that it does not continue the last sample, though the head's check
+            # of the window before it passed: believe the stage (it did not sample it).
+            self.log.warning("a chained window came back unsampled", session_id=task.session_id,
+                             start=window.start)
+            task.stale_windows()
+            stale = True
+        if task.schedule is not None and window.record is not None:
+            task.schedule.returned(window.record, out, stale=stale)
+        if stale:
+            if window.decode and not task.cancelled:
+                self._on_stale(len(window.tokens))
+            return
+        tokens = self._take_output(task, window.n_prefill, out, final_stage_id, window.drafted,
+                                   chained=window.chained)
+        if task.cancelled or task.recovering is not None:
+            task.stale_windows()
+            return
+        if not window.samples:
+            return
+        whole = len(tokens) == window.most
+        following = live_windows(task)
+        continued = whole and (not following or following[0].tokens[0] == tokens[-1])
+        if task.depth is not None and window.drafted:
+            task.depth.window_kept(continued)
+        if not continued:
+            task.stale_windows()
+
+    def _step_failed(self, exc: SkippyError, request_id: str, plan: list[tuple[Task, int]],
+                     recorded: dict[int, ScheduleStep]) -> None:
+        """A step did not come back: its sessions recover (re-prefill) or fail."""
+        self.flush_events()
+        for task, _ in plan:
+            if task.schedule is not None:
+                task.schedule.failed(recorded[id(task)], exc)
+        # UNAVAILABLE: a stage below is gone. NOT_FOUND from below: a stage lost sessions the
+        # head still holds (it restarted between steps, or freed them after the chain broke
+        # behind a direct return). Either way re-prefilling through the chain recovers them.
+        recoverable = isinstance(exc, DownstreamError) and exc.code_name in ("UNAVAILABLE", "NOT_FOUND") \
+            and self.limits.recovery_wait_s > 0
+        # A stage that lost a resident prefix: the stages above it ran the step, those below did
+        # not, so every session of the step prefills again from scratch, the lost prefix's too.
+        miss = is_prefix_miss(exc)
+        self.log.warning("step failed", request_id=request_id, error=str(exc),
+                         recovering=recoverable or miss, prefix_miss=miss, sessions=[t.session_id for t, _ in plan])
+        lost = []
+        if isinstance(exc, PrefixMissError):
+            # This stage refused the batch before running any of it: only the sessions that named
+            # a prefix start over, under the same id, from position 0.
             for task, _ in plan:
-                if task.prefix_id is not None:  # the step that would have carried it did not get through
+                if task.prefix_id is not None:
                     self._on_prefix("miss", 0)
                     lost.append(task.prefix_id)
-                    task.prefix_id, task.cached_tokens = None, 0
-                if miss:
-                    task.recovering = exc
-                    if task.failing_since is None:
-                        task.failing_since = time.monotonic()
-                elif recoverable:
-                    task.recovering = exc
-                    if task.failing_since is None:
-                        task.failing_since = time.monotonic()
-                    if time.monotonic() > task.failing_since + self.limits.recovery_wait_s:
-                        self._fail(task, exc)
-                else:
-                    self._fail(task, exc)
+                    task.prefix_id, task.cached_tokens, task.prefilled = None, 0, 0
             for prefix_id in lost:
-                self._drop_quietly(prefix_id)  # stages below the miss may still hold it
+                self._drop_quietly(prefix_id)
             return
+        for task, _ in plan:
+            if task.prefix_id is not None:  # the step that would have carried it did not get through
+                self._on_prefix("miss", 0)
+                lost.append(task.prefix_id)
+                task.prefix_id, task.cached_tokens = None, 0
+            if miss:
+                task.recovering = exc
+                if task.failing_since is None:
+                    task.failing_since = time.monotonic()
+            elif recoverable:
+                task.recovering = exc
+                if task.failing_since is None:
+                    task.failing_since = time.monotonic()
+                if time.monotonic() > task.failing_since + self.limits.recovery_wait_s:
+                    self._fail(task, exc)
+            else:
+                self._fail(task, exc)
+        for prefix_id in lost:
+            self._drop_quietly(prefix_id)  # stages below the miss may still hold it
+
+    def _take_outputs(self, response: Outputs, plan: list[tuple[Task, int]], recorded: dict[int, ScheduleStep],
+                      windows: list[Window] | None = None) -> None:
+        """A step's outputs, entry by entry; with ``windows`` (one per entry: ``_run_windows``), each
+        entry's window decides whether its samples count (a stale one's do not) and what follows."""
         self.flush_events()  # the previous step's tokens, if the step function did not already
         self.steps += 1
         if len(response.outputs) != len(plan):
             exc = RuntimeFailure(f"stage {response.final_stage_id} answered {len(response.outputs)} outputs "
                                  f"for {len(plan)} entries")
             for task, _ in plan:
-                self._fail(task, exc)
+                if not task.cancelled:
+                    self._fail(task, exc)
             return
-        for (task, n_prefill), out in zip(plan, response.outputs):
-            for i, logprob in enumerate(out.prompt_logprobs or ()):
-                task.prompt_lps[task.prefilled + 1 + i] = logprob
-            task.prefilled += n_prefill
-            task.fork_from = None  # a fork carried through the chain is a session like any other
-            if task.hold_at is not None and task.prefilled > task.hold_at:
-                task.hold_at = None
-            if task.prefix_id is not None and n_prefill:
-                self._on_prefix("hit", task.cached_tokens)
-                task.prefix_id = None
-            if out.token is None:
+        for i, ((task, n_prefill), out) in enumerate(zip(plan, response.outputs)):
+            window = windows[i] if windows is not None else None
+            if window is not None:
+                self._window_returned(task, window, out, response.final_stage_id, recorded)
                 continue
-            task.failing_since = None
-            if task.first_token_at is None:
-                task.first_token_at = time.monotonic()
-            # A verify entry's samples: the drafts it kept, then the one that rejected a draft (or
-            # followed the last): each as if sampled in a step of its own.
-            tokens = out.tokens if out.tokens is not None else (out.token,)
-            task.samples += len(tokens)
-            if task.drafted:
-                accepted = len(tokens) - 1
-                self._on_speculation(task.drafted, accepted)
-                if task.draft_budget is not None:
-                    task.draft_budget.record(task.drafted, accepted)
-                task.drafted = 0
-            if task.prompt_logprobs is not None and not task.prompt_lps_sent and not self._send_prompt_logprobs(task):
-                self._fail(task, RuntimeFailure(f"stage {response.final_stage_id} returned logprobs for "
-                                                f"{len(task.prompt_lps)} of the prompt's {len(task.prompt) - 1} "
-                                                f"tokens after the first"))
-                continue
-            if task.top_logprobs is not None and (out.logprobs is None or len(out.logprobs) != len(tokens)):
-                self._fail(task, RuntimeFailure(f"stage {response.final_stage_id} returned "
-                                                f"{len(out.logprobs or ())} logprobs for {len(tokens)} tokens"))
-                continue
-            logprobs = out.logprobs if out.logprobs is not None else (None,) * len(tokens)
-            for token, logprob in zip(tokens, logprobs):
-                if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):
-                    break
+            if task.schedule is not None:
+                task.schedule.returned(recorded[id(task)], out)
+            drafted, task.drafted = task.drafted, 0
+            self._take_output(task, n_prefill, out, response.final_stage_id, drafted)
         tracing.mark("took")
+
+    def _take_output(self, task: Task, n_prefill: int, out: Output, final_stage_id: str, drafted: int, *,
+                     chained: bool = False) -> tuple[int, ...]:
+        """One entry's output for ``task``: its prompt's progress and its samples, each taken as if
+        sampled in a step of its own. ``drafted``: the drafts the entry carried (a chained window's
+        first token is one too). Returns the samples (none: the entry sampled nothing, or failed)."""
+        for i, logprob in enumerate(out.prompt_logprobs or ()):
+            task.prompt_lps[task.prefilled + 1 + i] = logprob
+        task.prefilled += n_prefill
+        task.fork_from = None  # a fork carried through the chain is a session like any other
+        if task.hold_at is not None and task.prefilled > task.hold_at:
+            task.hold_at = None
+        if task.prefix_id is not None and n_prefill:
+            self._on_prefix("hit", task.cached_tokens)
+            task.prefix_id = None
+        if out.token is None:
+            return ()
+        task.failing_since = None
+        if task.first_token_at is None:
+            task.first_token_at = time.monotonic()
+        # A verify entry's samples: the drafts it kept, then the one that rejected a draft (or
+        # followed the last): each as if sampled in a step of its own.
+        tokens = out.tokens if out.tokens is not None else (out.token,)
+        task.samples += len(tokens)
+        if drafted:
+            accepted = len(tokens) - 1 + chained  # (a chained window's first token was confirmed to get here)
+            self._on_speculation(drafted, accepted)
+            if task.draft_budget is not None:
+                task.draft_budget.record(drafted, accepted)
+        if task.prompt_logprobs is not None and not task.prompt_lps_sent and not self._send_prompt_logprobs(task):
+            self._fail(task, RuntimeFailure(f"stage {final_stage_id} returned logprobs for "
+                                            f"{len(task.prompt_lps)} of the prompt's {len(task.prompt) - 1} "
+                                            f"tokens after the first"))
+            return ()
+        if task.top_logprobs is not None and (out.logprobs is None or len(out.logprobs) != len(tokens)):
+            self._fail(task, RuntimeFailure(f"stage {final_stage_id} returned "
+                                            f"{len(out.logprobs or ())} logprobs for {len(tokens)} tokens"))
+            return ()
+        logprobs = out.logprobs if out.logprobs is not None else (None,) * len(tokens)
+        for token, logprob in zip(tokens, logprobs):
+            if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):
+                break
+        return tuple(tokens)
+
+    @staticmethod
+    def _record_sent(plan: list[tuple[Task, int]], entries: list[StepEntry]) -> dict[int, ScheduleStep]:
+        """The entries of tasks that record their schedule, recorded as sent (they ask for digests);
+        by the task's id."""
+        if not any(task.schedule is not None for task, _ in plan):
+            return {}
+        rows = sum(len(e.positions) for e in entries)
+        return {id(task): task.schedule.sent(entry, rows) for (task, _), entry in zip(plan, entries)
+                if task.schedule is not None}
 
     def _lone_limit(self, batch: list[Task], plan: list[tuple[Task, int]], entries: list[StepEntry]) -> int:
         """How many tokens a lone generation may take (``LoneFn``) before this scheduler must see
@@ -537,7 +777,7 @@ class Scheduler:
         if (entry.phase != PHASE_DECODE or len(entry.positions) != 1 or entry.rewind or entry.verify
                 or entry.top_logprobs is not None or entry.prefix_id is not None or task.drafter is not None
                 or task.top_logprobs is not None or task.forks or task.fork_from is not None
-                or not plain_greedy(task.sampling) or self._others_active()):
+                or task.schedule is not None or not plain_greedy(task.sampling) or self._others_active()):
             return 0
         return min(task.max_tokens - task.generated, self.limits.max_context - entry.positions[0] - 1)
 
@@ -576,6 +816,8 @@ class Scheduler:
     @staticmethod
     def _record(task: Task, token: int, *, fed_now: bool) -> None:
         """``task`` generated ``token`` (the bookkeeping of ``_take``, without emitting it)."""
+        if task.schedule is not None:
+            task.schedule.emit(token)
         if task.last_token is not None and fed_now:
             task.history.append(task.last_token)  # it was fed in this step
         elif not task.history:

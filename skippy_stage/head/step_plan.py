@@ -1,11 +1,13 @@
 """What the next shared step carries: decode entries first (latency), then prompt chunks within
-the token budget and the final stage's output rows; a speculating session's drafts; a prompt's
-forks joining their source at its last token. Bookkeeping on the tasks alone (no threads, locks
+the token budget and the final stage's output rows; a speculating session's drafts, and the windows
+it chains behind those still in flight (``chain_window``); a prompt's forks joining their source at
+its last token. Bookkeeping on the tasks alone (no threads, locks
 or network): the scheduler's workers call it for their group each step."""
 
 from __future__ import annotations
 
 from skippy_stage.head.tasks import Task
+from skippy_stage.head.windows import Window
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, StepEntry
 
 
@@ -128,3 +130,43 @@ def _draft(task: Task, position: int, room: int, max_context: int) -> list[int]:
     drafts = task.drafter([*task.history, task.last_token], k)[:k]
     task.drafted = len(drafts)
     return drafts
+
+
+def live_windows(task: Task) -> list[Window]:
+    """``task``'s windows in flight that are not stale, oldest first."""
+    return [w for w in task.windows if not w.stale]
+
+
+def chain_window(task: Task, *, room: int, max_context: int) -> tuple[StepEntry, Window] | None:
+    """The window to send behind ``task``'s live windows, on the guess that they are all kept: the
+    drafter's guess of the sample after them (from the optimistic history: what the live windows
+    feed, the drafts included), then the drafts that follow the guess, as many as a window drafts —
+    exactly the window the head would send once the guess came back right, so whatever comes back
+    whole, the batches are those of one window at a time (llama-cpp-python's prompt lookup, with a
+    number k). Behind a prompt's last chunk too: the
+    first window then leaves without waiting for the first token. None when there is nothing to
+    chain: no live window that samples, its depth reached, nothing drafted, or the generation would
+    end before it."""
+    if task.drafter is None or task.draft_budget is None or task.depth is None or task.cancelled \
+            or task.recovering is not None:
+        return None
+    windows = live_windows(task)
+    if not windows or not all(w.samples for w in windows) or len(windows) >= task.depth.depth():
+        return None
+    last = windows[-1]
+    start = last.start + len(last.tokens)
+    ahead = sum(w.most for w in windows)
+    if room < 1 or start + 1 >= max_context or task.generated + ahead >= task.max_tokens:
+        return None
+    # what the stages hold before the first live window, then what the live windows feed
+    fed = task.history if windows[0].decode else task.to_feed[: windows[0].start]
+    history = [*fed, *(t for w in windows for t in w.tokens)]
+    guess = [int(t) for t in task.drafter(history, 1)[:1]]
+    if not guess:
+        return None
+    k = min(task.draft_budget.next_k(), room - 1, max_context - start - 2)
+    tokens = guess + ([int(t) for t in task.drafter([*history, *guess], k)[:k]] if k > 0 else [])
+    entry = StepEntry(session_id=task.session_id, phase=PHASE_DECODE, positions=range(start, start + len(tokens)),
+                      token_ids=tokens, sample_last=True, sampling=task.sampling, rewind=True, verify=True,
+                      top_logprobs=task.top_logprobs, draws_before=task.samples + ahead, continues=True)
+    return entry, Window(start=start, tokens=tokens, n_prefill=0, drafted=len(tokens), chained=True)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from skippy_stage.errors import SkippyError
 from skippy_stage.head.drafting import DraftBudget, Drafter
 from skippy_stage.head.events import Events
+from skippy_stage.head.recording import ScheduleRecorder
+from skippy_stage.head.windows import Window, WindowDepth
 from skippy_stage.model.logprobs import TokenLogprob
 from skippy_stage.model.sampling import SamplingParams
 
@@ -107,7 +109,23 @@ class Task:
     first_token_at: float | None = None
     delivered_at: float = float("-inf")  # when its handler was last handed tokens
     stream_interval_s: float | None = None  # its request's own (None: SchedulerLimits.stream_interval_s)
+    # Records the batch schedule the pipeline runs for it (``record_schedule``; None: not asked).
+    schedule: ScheduleRecorder | None = None
+    # Its entries in flight, oldest first, while the scheduler keeps windows in flight for it; and how
+    # many windows pay (None: one step at a time).
+    windows: list[Window] = field(default_factory=list)
+    depth: WindowDepth | None = None
+    window_depth: int | None = None  # its request's bound on windows in flight (None: the head's)
+    arrived_at: float | None = None  # when its last step's outputs arrived (perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def stale_windows(self) -> int:
+        """Every window in flight is stale (one before them was cut short); how many were not yet."""
+        count = 0
+        for window in self.windows:
+            count += not window.stale
+            window.stale = True
+        return count
 
     def cancel(self) -> None:
         """Ask the scheduler to stop this task and free its session (idempotent)."""

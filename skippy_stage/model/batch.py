@@ -54,6 +54,12 @@ class BatchEntry:
     # Final stage: samples the session's sampler took before this step; a chain built now (after a
     # hand-off, a recovery, a trim) skips as many seeded draws, so it samples what it would have.
     draws_before: int = 0
+    # Final stage: with each sample, a digest of the logit row it came from (``logit_digest``): what a
+    # recorded schedule holds its replay on the unsplit model to.
+    digest_logits: bool = False
+    # Final stage, verify: a window sent before the session's previous step came back; sampled only if
+    # its first token is the session's last sample at that position, else stale (nothing sampled).
+    continues: bool = False
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
@@ -66,6 +72,7 @@ class EntryResult:
     logprobs: tuple[TokenLogprob, ...] | None = None  # final stage, top_logprobs: one per sample
     # final stage, prompt_logprobs: one per row with a next token (positions[0] + 1 on)
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    logit_digests: tuple[int, ...] | None = None  # final stage, digest_logits: one per sample
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)

@@ -22,6 +22,7 @@ from skippy_stage.config import StageConfig
 from skippy_stage.errors import CapacityError, InvalidRequestError, RuntimeFailure, SessionStateError
 from skippy_stage.model.batch import BatchEntry, CheckedEntry, EntryResult, check_batch
 from skippy_stage.model.capture import Capture
+from skippy_stage.model.digest import logit_digest
 from skippy_stage.model.lanes import Admission, LaneTable, SessionOwner
 from skippy_stage.model.logprobs import TokenLogprob, log_softmax, token_logprob
 from skippy_stage.model.sampling import SamplerChain, SamplingParams
@@ -216,8 +217,11 @@ class BatchRunner:
             logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         token = None
         logprobs = None
+        digests = None
         if e.sample:
             dist = self._log_softmax_row(row) if e.top_logprobs is not None else None
+            if e.digest_logits:
+                digests = (self._row_digest(row),)
             token = self._sample(e.session_id, e.sampling or SamplingParams(), history, row,
                                  draws=e.draws_before)
             state = self._samplers[e.session_id]
@@ -225,7 +229,7 @@ class BatchRunner:
             state.accepted = len(history)
             if dist is not None:
                 logprobs = (token_logprob(dist, token, e.top_logprobs),)
-        return EntryResult(e.session_id, logits=logits, token=token, logprobs=logprobs)
+        return EntryResult(e.session_id, logits=logits, token=token, logprobs=logprobs, logit_digests=digests)
 
     def _prompt_logprobs(self, c: CheckedEntry, first_row: int) -> tuple[TokenLogprob, ...]:
         """Each row's next token under that row's distribution (the token it is followed by)."""
@@ -234,6 +238,10 @@ class BatchRunner:
             following.append(int(c.entry.next_token))
         return tuple(token_logprob(self._log_softmax_row(first_row + i), token, c.entry.prompt_logprobs)
                      for i, token in enumerate(following))
+
+    def _row_digest(self, row: int) -> int:
+        """The digest of batch row ``row``'s logits (taken before a sampler reads them)."""
+        return logit_digest(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, row), shape=(self.n_vocab,)))
 
     def _log_softmax_row(self, row: int) -> np.ndarray:
         return log_softmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, row), shape=(self.n_vocab,)))
@@ -246,13 +254,20 @@ class BatchRunner:
         e = c.entry
         p0 = int(c.positions[0])
         history = self._history.setdefault(e.session_id, [])
+        if e.continues and not (len(history) == p0 + 1 and history[p0] == int(c.tokens[0])):
+            # Stale: a window before it was cut short, or its first token is not the sample it guessed.
+            # Its rows stay in the KV until the rewind that follows; the sampler sees none of it.
+            return EntryResult(e.session_id, tokens=(), logit_digests=() if e.digest_logits else None)
         del history[p0:]
         history.append(int(c.tokens[0]))
         state = self._sampler_for(e.session_id, e.sampling or SamplingParams(), history, e.draws_before)
         samples: list[int] = []
         logprobs: list[TokenLogprob] = []
+        digests: list[int] = []
         for i in range(c.n):
             dist = self._log_softmax_row(first_row + i) if e.top_logprobs is not None else None
+            if e.digest_logits:
+                digests.append(self._row_digest(first_row + i))
             token = self._sample(e.session_id, e.sampling or SamplingParams(), history, first_row + i, state)
             samples.append(token)
             if dist is not None:
@@ -264,7 +279,8 @@ class BatchRunner:
         history.extend(samples)
         state.accepted = len(history)
         return EntryResult(e.session_id, token=samples[-1], tokens=tuple(samples),
-                           logprobs=tuple(logprobs) if e.top_logprobs is not None else None)
+                           logprobs=tuple(logprobs) if e.top_logprobs is not None else None,
+                           logit_digests=tuple(digests) if e.digest_logits else None)
 
     def _sample(self, session_id: str, params: SamplingParams, history: list[int], row: int,
                 state: _SessionSampler | None = None, *, draws: int = 0) -> int:

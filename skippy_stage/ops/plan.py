@@ -14,7 +14,9 @@ Layer ranges are contiguous and follow the node order (node 0 is the head). The 
 minimises the largest share of any node's free room (budget less its fixed costs) that its
 layers take; nodes are then filled greedily in order up to that share, so a node with twice
 the room gets about twice the layers. A model that does not fit is refused with a
-:class:`PlanError` that says by how much.
+:class:`DoesNotFitError` that says by how much.
+
+Which nodes to use, and in which order, when the links between them cost time: ``placement``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skippy_stage.errors import PlanError
+from skippy_stage.errors import DoesNotFitError, PlanError
 from skippy_stage.ops.footprint import GIB, MIB, ModelFootprint, format_bytes, kv_bytes_per_layer, read_footprint
 
 DEFAULT_OVERHEAD_MIB = 512
@@ -167,7 +169,8 @@ def plan_stages(
         raise PlanError(f"overhead {overhead_mib!r} MiB must be >= 0")
     n_layers, n_nodes = model.block_count, len(nodes)
     if n_nodes > n_layers:
-        raise PlanError(f"{n_nodes} nodes for {n_layers} layers: every node needs at least one layer")
+        raise DoesNotFitError(f"{n_nodes} nodes for {n_layers} layers: every node needs at least one layer",
+                              brief=f"{n_nodes} stages for {n_layers} layers")
     kv = kv_bytes_per_layer(model, ctx_size, lanes, cache_type)
     overhead = int(overhead_mib * MIB)
     layer_cost = [w + k for w, k in zip(model.layer_weight_bytes, kv)]
@@ -198,10 +201,11 @@ def plan_stages(
     assert ranges is not None  # the largest candidate always admits a split (each room > 0)
     if share > 1:
         over = max((cost(s, e) - r, nodes[j].name) for j, ((s, e), r) in enumerate(zip(ranges, room)))
-        raise PlanError(
+        raise DoesNotFitError(
             f"model {model.path.name} does not fit these nodes in contiguous layer ranges: the closest split "
             f"({', '.join(f'{nd.name}={s}:{e}' for nd, (s, e) in zip(nodes, ranges))}) still overcommits node "
-            f"{over[1]} by {format_bytes(over[0])}"
+            f"{over[1]} by {format_bytes(over[0])}",
+            brief=f"no whole-layer split fits: node {over[1]} over by {format_bytes(over[0])}",
         )
     stages = []
     for j, (node, (s, e)) in enumerate(zip(nodes, ranges)):
@@ -220,9 +224,10 @@ def _refuse_if_short(model: ModelFootprint, nodes: list[NodeSpec], budgets: list
                      room: list[int], layer_cost: list[int], layers_total: int, kv: tuple[int, ...],
                      overhead: int) -> None:
     """Refuse, saying by how much, when the budgets add up short or a node cannot take one layer."""
-    problems = []
+    problems, briefs = [], []
     need = layers_total + sum(fixed)
     if need > sum(budgets):
+        briefs.append(f"short by {format_bytes(need - sum(budgets))} in all")
         problems.append(
             f"model {model.path.name} does not fit: it needs {format_bytes(need)} on these {len(nodes)} nodes "
             f"(tensors {format_bytes(model.tensor_bytes + model.shared_bytes * (len(nodes) - 1))}, "
@@ -232,13 +237,14 @@ def _refuse_if_short(model: ModelFootprint, nodes: list[NodeSpec], budgets: list
     smallest = min(layer_cost)
     for node, budget, f, r in zip(nodes, budgets, fixed, room):
         if r < smallest:
+            briefs.append(f"node {node.name} cannot hold one layer")
             problems.append(
                 f"node {node.name} ({node.mem_gib:g} GiB) cannot hold its fixed costs ({format_bytes(f)}: overhead "
                 f"{format_bytes(overhead)} + non-layer tensors {format_bytes(f - overhead)}) plus one layer "
                 f"({format_bytes(smallest)}): short by {format_bytes(f + smallest - budget)}"
             )
     if problems:
-        raise PlanError("; ".join(problems))
+        raise DoesNotFitError("; ".join(problems), brief=", ".join(briefs))
 
 
 def _split(prefix: list[int], room: list[int], share: float) -> list[tuple[int, int]] | None:

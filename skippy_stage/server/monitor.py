@@ -1,11 +1,12 @@
 """The watch a stage keeps on the chain below it, on one thread.
 
-Every ``health_interval_s``: probe the downstream's health service; when it does not answer,
-switch to the first ``downstream_alternates`` stand-in that does (handing it the live sessions
-first when the downstream is draining rather than gone); once per (re)connection,
-agree on the edge (layer continuity, width, architecture, transport) before this stage
-calls itself SERVING; free sessions the stages below may still hold (``retry_pending_drops``)
-and sessions idle past their TTL.
+Every ``health_interval_s``: probe the downstream's health service (each answer timed: the
+edge's round trip, ``stage/round_trips``; a final stage times the head's over its direct return
+too); when the downstream does not answer, switch to the first ``downstream_alternates`` stand-in
+that does (handing it the live sessions first when the downstream is draining rather than gone);
+once per (re)connection, agree on the edge (layer continuity, width, architecture, transport)
+before this stage calls itself SERVING; free sessions the stages below may still hold
+(``retry_pending_drops``) and sessions idle past their TTL.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class DownstreamMonitor:
             if probe.ok != self.stage.downstream_health.ok:
                 log.info("downstream health", stage_id=self.config.stage_id, ok=probe.ok, detail=probe.detail)
             self.stage.downstream_health = probe
+        if self.stage.return_path is not None:
+            self.stage.return_path.probe(timeouts.health_probe_s)  # the return link's round trip
         self._set_health(self.stage.ready)
         if self.stage.downstream_health.ok:
             self.stage.retry_pending_drops()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from skippy_stage.config import MAX_STREAM_INTERVAL_MS
+from skippy_stage.config import MAX_STREAM_INTERVAL_MS, MAX_VERIFY_WINDOW_DEPTH
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SessionStateError, SkippyError
 from skippy_stage.head.drafting import Drafters, SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, Finish, GenerateSpec, Generator, load_drafters
@@ -336,7 +336,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     self.stage.metrics.requests(rpc="Generate", code="OK").inc()
                     yield pb.GenerateResponse(done=True, finish_reason=reason, prompt_tokens=event.prompt_tokens,
                                               completion_tokens=event.completion_tokens, session_id=event.session_id,
-                                              cached_tokens=event.cached_tokens)
+                                              cached_tokens=event.cached_tokens, schedule_json=event.schedule_json)
                 else:
                     if first_token_s is None:
                         first_token_s = time.perf_counter() - started
@@ -374,8 +374,12 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
     speculative = None
     if req.HasField("speculative"):
         s = req.speculative
+        if s.HasField("window_depth") and not 1 <= s.window_depth <= MAX_VERIFY_WINDOW_DEPTH:
+            raise InvalidRequestError(f"speculative.window_depth={s.window_depth} must be in [1, "
+                                      f"{MAX_VERIFY_WINDOW_DEPTH}]")
         speculative = SpeculativeRequest(drafter=s.drafter or None, k=s.k or None, ngram=s.ngram or None,
-                                         adaptive=s.adaptive if s.HasField("adaptive") else None)
+                                         adaptive=s.adaptive if s.HasField("adaptive") else None,
+                                         window_depth=s.window_depth if s.HasField("window_depth") else None)
     return GenerateSpec(
         prompt=req.prompt or None,
         messages=tuple((m.role, m.content) for m in req.messages),
@@ -385,4 +389,5 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
         speculative=speculative,
         top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
         stream_interval_ms=req.stream_interval_ms if req.HasField("stream_interval_ms") else None,
+        record_schedule=req.record_schedule,
     )

@@ -172,6 +172,8 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         e.prompt_logprobs if e.HasField("prompt_logprobs") else None,
         e.next_token if e.HasField("next_token") else None,
         e.draws_before,
+        e.digest_logits,
+        e.continues,
     )
 
 
@@ -194,6 +196,10 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
     if e.next_token is not None:
         msg.next_token = e.next_token
     msg.draws_before = e.draws_before
+    if e.digest_logits:
+        msg.digest_logits = True
+    if e.continues:
+        msg.continues = True
     return msg
 
 
@@ -224,7 +230,8 @@ def outputs_from_pb(msg: pb.IterationBatchResponse) -> Outputs:
     return Outputs([Output(o.session_id, o.token if o.has_token else None,
                            np.array(o.logits, dtype=np.float32) if len(o.logits) else None,
                            tuple(o.tokens) if len(o.tokens) else None,
-                           _logprobs_from_pb(o.logprobs), _logprobs_from_pb(o.prompt_logprobs))
+                           _logprobs_from_pb(o.logprobs), _logprobs_from_pb(o.prompt_logprobs),
+                           tuple(o.logit_digests) if len(o.logit_digests) else None)
                     for o in msg.outputs],
                    msg.final_stage_id, wire=msg)
 
@@ -261,6 +268,8 @@ def outputs_to_pb(outputs: Outputs, into: pb.IterationBatchResponse | None = Non
             out.tokens.extend(o.tokens)
         logprobs_to_pb(o.logprobs, out.logprobs)
         logprobs_to_pb(o.prompt_logprobs, out.prompt_logprobs)
+        if o.logit_digests is not None:
+            out.logit_digests.extend(o.logit_digests)
     msg.final_stage_id = outputs.final_stage_id
     return msg
 
@@ -330,6 +339,8 @@ def report_to_pb(r: StageReport) -> pb.StageStatus:
         wire_dtype=r.wire_dtype, downstream_ok=r.downstream_ok, downstream_error=r.downstream_error,
         hop_transport=r.hop_transport, frame_port=r.frame_port, tls=r.tls,
         downstream_stage_id=r.downstream_stage_id, downstream_endpoint=r.downstream_endpoint, n_embd=r.n_embd,
+        downstream_rtt_us=r.downstream_rtt_us, downstream_rtt_samples=r.downstream_rtt_samples,
+        return_rtt_us=r.return_rtt_us, return_rtt_samples=r.return_rtt_samples,
     )
     s = r.lanes
     if s is not None:
@@ -362,7 +373,8 @@ def report_from_pb(m: pb.StageStatus) -> StageReport:
         wire_dtype=m.wire_dtype, hop_transport=m.hop_transport, frame_port=m.frame_port, tls=m.tls,
         downstream_ok=m.downstream_ok, downstream_error=m.downstream_error,
         downstream_stage_id=m.downstream_stage_id, downstream_endpoint=m.downstream_endpoint, n_embd=m.n_embd,
-        lanes=lanes,
+        lanes=lanes, downstream_rtt_us=m.downstream_rtt_us, downstream_rtt_samples=m.downstream_rtt_samples,
+        return_rtt_us=m.return_rtt_us, return_rtt_samples=m.return_rtt_samples,
     )
 
 

@@ -11,6 +11,7 @@ the one below us, or a deeper one that it named in its own error (trailing metad
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +26,7 @@ from skippy_stage.stage.channels import channel_options
 from skippy_stage.stage.peers import STAGE_ID_METADATA
 from skippy_stage.stage.ports import StageBelow
 from skippy_stage.stage.reports import StageDrop, StageReport, StageTrim
+from skippy_stage.stage.round_trips import RoundTrips
 from skippy_stage.stage.status import status_for
 from skippy_stage.stage.steps import Frame, Reply
 from skippy_stage.v1 import stage_pb2 as pb
@@ -67,6 +69,8 @@ class DownstreamClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._closed = False
+        # Every answered health probe, timed: this link's round trip (``round_trips``).
+        self.round_trips = RoundTrips()
         self.hop: hops.Hop
         if transport == "tcp":
             self.hop = hops.TcpHop(peer, port=lambda: self.frame_port(connect_timeout_s), credentials=creds,
@@ -163,9 +167,13 @@ class DownstreamClient:
             raise self._translate(err) from None
 
     def probe_health(self, timeout_s: float) -> HealthProbe:
-        """Ask the downstream's standard health service; SERVING means its whole chain is."""
+        """Ask the downstream's standard health service; SERVING means its whole chain is.
+
+        An answer, whatever it says, crossed the link both ways: its time is a round-trip sample."""
         try:
+            sent = time.perf_counter()
             resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            self.round_trips.add(time.perf_counter() - sent)
         except grpc.RpcError as err:
             detail = f"stage {self.peer.stage_id} at {self.peer.endpoint}: {err.code().name}"
             if err.code() == grpc.StatusCode.UNAVAILABLE and self._accepts_tcp(timeout_s):
@@ -176,8 +184,22 @@ class DownstreamClient:
                            f"{self._stage_id} and {self.peer.stage_id}?")
             return HealthProbe(False, detail)
         if resp.status != health_pb2.HealthCheckResponse.SERVING:
-            return HealthProbe(False, f"stage {self.peer.stage_id} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
+            detail = (f"stage {self.peer.stage_id} reports "
+                      f"{health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
+            return HealthProbe(False, detail + self._why_not_serving(timeout_s))
         return HealthProbe(True, "")
+
+    def _why_not_serving(self, timeout_s: float) -> str:
+        """The health protocol has no reason field; the downstream's status does. Its own state or
+        what it knows of the chain below it: an operator then reads the stage that failed, not the
+        first one that noticed."""
+        try:
+            report = self.status(timeout_s)
+        except SkippyError:
+            return ""
+        if report.state != "serving":
+            return f": it is {report.state}"
+        return f": {report.downstream_error}" if report.downstream_error else ""
 
     def _accepts_tcp(self, timeout_s: float) -> bool:
         import socket
@@ -221,6 +243,8 @@ class LocalDownstream:
     """The downstream edge to a stage in this process: frames over a :class:`~hops.LocalHop`
     (run on the sender's thread), control calls made directly. Stage logic is tested on it
     without sockets; it translates errors as the gRPC client does."""
+
+    round_trips: RoundTrips | None = None  # no link to measure
 
     def __init__(self, peer: PeerConfig, target: StageBelow, *, hop_timeout_s: float, on_reply: hops.OnReply,
                  on_broken: hops.OnBroken) -> None:

@@ -253,6 +253,14 @@ class FramePath(SessionCalls):
         outputs to be relayed back up to it (``relay``). ``on_sent`` runs once this stage's part
         is done (the frame sent on), before the wait.
         """
+        return self.start_step(step, remaining_s, relay=relay, on_sent=on_sent).result()
+
+    def start_step(self, step: Step, remaining_s: float | None, *, relay: bool | None = None,
+                   on_sent: Callable[[], None] | None = None) -> StepInFlight:
+        """``process`` without the wait: this stage's part of ``step`` (its layers, the frame sent
+        on), then the step in flight, whose ``result`` waits for the outputs. The head keeps several
+        speculative windows of a session in flight this way; frames on an edge keep their order, so
+        every stage runs them in the order they were started."""
         tracing.mark("proc")
         if relay is None:
             relay = not self.config.include_embeddings
@@ -267,17 +275,15 @@ class FramePath(SessionCalls):
                 if downstream is not None and self._native_step(step, downstream, outcome, relay=relay,
                                                                 timeout_s=timeout, tally=tally):
                     key, sessions = step.return_key, step.session_ids
-                    started = time.perf_counter()
                 else:
                     entries = self._prepare(step, tally)
                     results = self._compute(entries, tally)
                 if downstream is None:
-                    outputs = outputs_from_results(results, self.config.stage_id)
+                    outcome.settle(result=outputs_from_results(results, self.config.stage_id))
                 elif not key:
                     sessions = [e.session_id for e in entries]
                     key = self.returns.expect(outcome)
                     step.return_key = key
-                    started = time.perf_counter()
                     try:
                         self._pass_on(step, results, downstream, relay=relay, remaining_s=timeout, sink=None,
                                       tally=tally)
@@ -286,29 +292,19 @@ class FramePath(SessionCalls):
                         self._failed(exc, sessions, step.request_id)
                         sessions = []
                         raise
+            in_flight = StepInFlight(self, step, outcome, downstream, key, sessions, timeout)
             if on_sent is not None:
                 on_sent()  # while the stages below work: the head's side jobs (the client's stream)
             self.metrics.record(tally)
-            if downstream is None:
-                return outputs
-            try:
-                tracing.mark("wait")
-                outputs = outcome.result(timeout=timeout + 0.05)
-                tracing.mark("woke")
-            except FutureTimeout:
-                raise DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
-                                      f"outputs did not arrive within {timeout:.3f}s", stage_id=downstream.peer.stage_id,
-                                      code_name="DEADLINE_EXCEEDED") from None
-            self.metrics.hop_seconds.observe(time.perf_counter() - started)
-            return outputs
+            return in_flight
         except SkippyError as exc:
             if sessions:
                 self._failed(exc, sessions, step.request_id)
+            if key:
+                self.returns.forget(key)
             raise
         finally:
             self.metrics.record(tally)  # what a failed step computed (empty once recorded after the send)
-            if key:
-                self.returns.forget(key)
 
     def process_lone(self, step: Step, remaining_s: float | None, *, on_token: Callable[..., int],
                      limit: int, eog: bytes, bell: object = None) -> Outputs:
@@ -457,3 +453,55 @@ class FramePath(SessionCalls):
         if settled:
             self.metrics.returns(path="direct").inc()
         return settled
+
+
+class StepInFlight:
+    """A step whose frame has left (``FramePath.start_step``): ``result`` waits for its outputs.
+
+    Its deadline runs from the send, however late ``result`` is called; ``returned_at`` is when the
+    outputs (or the error) arrived (``perf_counter``; None while in flight), so a caller that takes
+    results in order still sees each step's own trip."""
+
+    def __init__(self, path: FramePath, step: Step, outcome: HopFuture, downstream, key: str, sessions: list[str],
+                 timeout_s: float) -> None:
+        self._path = path
+        self._step = step
+        self._outcome = outcome
+        self._downstream = downstream
+        self._key = key
+        self._sessions = sessions
+        self._timeout_s = timeout_s
+        self.sent_at = time.perf_counter()
+        self.returned_at: float | None = None
+        outcome.add_done_callback(self._arrived)
+
+    def _arrived(self, _future) -> None:
+        self.returned_at = time.perf_counter()
+
+    def done(self) -> bool:
+        return self._outcome.done()
+
+    def result(self) -> Outputs:
+        """The step's outputs; raises its error (its sessions freed here, as ``process`` does)."""
+        downstream = self._downstream
+        try:
+            if downstream is None:
+                return self._outcome.result()
+            try:
+                tracing.mark("wait")
+                left = self._timeout_s + 0.05 - (time.perf_counter() - self.sent_at)
+                outputs = self._outcome.result(timeout=max(0.0, left))
+                tracing.mark("woke")
+            except FutureTimeout:
+                raise DownstreamError(f"stage {downstream.peer.stage_id} at {downstream.peer.endpoint}: the step's "
+                                      f"outputs did not arrive within {self._timeout_s:.3f}s",
+                                      stage_id=downstream.peer.stage_id, code_name="DEADLINE_EXCEEDED") from None
+            self._path.metrics.hop_seconds.observe((self.returned_at or time.perf_counter()) - self.sent_at)
+            return outputs
+        except SkippyError as exc:
+            if self._sessions:
+                self._path._failed(exc, self._sessions, self._step.request_id)
+            raise
+        finally:
+            if self._key:
+                self._path.returns.forget(self._key)

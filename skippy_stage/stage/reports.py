@@ -36,6 +36,12 @@ class StageReport:
     downstream_endpoint: str = ""
     n_embd: int = 0  # 0 until the stage is loaded
     lanes: LaneStats | None = None  # None until the stage is loaded
+    # The links' measured round trips (``round_trips``): to the downstream, and a final stage's
+    # direct return to the head. Median of the recent samples in us (0 with none), and the count.
+    downstream_rtt_us: int = 0
+    downstream_rtt_samples: int = 0
+    return_rtt_us: int = 0
+    return_rtt_samples: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ over the transport of ``hop_transport``: a TCP link to the head's frame listener
 gRPC ReturnResults stream. Without it — or when the frame asked to be relayed, or the
 head cannot be reached just now — they travel back up the edges' back channels, one leg
 per stage. Errors always travel the back channels, so every stage on the way frees the
-failed sessions (``Stage._from_below``).
+failed sessions (``Stage._from_below``). The downstream watch times a call of the head's health
+service over the direct return's channel every round: that link's round trip (``round_trips``).
 
 Keys are random per step, so a stale or forged return cannot settle another step (and a
 client that saw one key cannot work out the next: keys travel down through every stage).
@@ -22,6 +23,7 @@ from concurrent.futures import Future, InvalidStateError
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skippy_stage import tracing
 from skippy_stage.config import PeerConfig
@@ -30,6 +32,7 @@ from skippy_stage.security import Credentials
 from skippy_stage.stage import codec, framing
 from skippy_stage.stage.channels import channel_options
 from skippy_stage.stage.ports import HeadAbove
+from skippy_stage.stage.round_trips import RoundTrips
 from skippy_stage.stage.steps import Outputs
 from skippy_stage.v1 import stage_pb2 as pb
 from skippy_stage.v1 import stage_pb2_grpc as pb_grpc
@@ -129,6 +132,8 @@ class TcpReturn:
         # The head's frame port is whatever it advertises (asked on every new link).
         self._channel = credentials.channel(head.endpoint, channel_options(max_message_bytes))
         self._stub = pb_grpc.StageServiceStub(self._channel)
+        self.round_trips = RoundTrips()
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._stage_id = stage_id
         self._max = max_message_bytes
         self._lock = threading.Lock()
@@ -180,6 +185,10 @@ class TcpReturn:
                 self._link = None
         link.close()
 
+    def probe(self, timeout_s: float) -> None:
+        """Time one call of the head's health service over this link (``time_health_call``)."""
+        time_health_call(self._health, self.round_trips, timeout_s)
+
     def send(self, key: str, outputs: Outputs) -> bool:
         link = self._connect()
         if link is None:
@@ -212,6 +221,8 @@ class StreamReturn:
         self._metadata = creds.call_metadata()
         self._channel = creds.channel(head.endpoint, channel_options(max_message_bytes))
         self._stub = pb_grpc.StageServiceStub(self._channel)
+        self.round_trips = RoundTrips()
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue | None = None
         self._call: grpc.Future | None = None
@@ -246,6 +257,10 @@ class StreamReturn:
             self._outbox = outbox
             return outbox
 
+    def probe(self, timeout_s: float) -> None:
+        """Time one call of the head's health service over this link (``time_health_call``)."""
+        time_health_call(self._health, self.round_trips, timeout_s)
+
     def send(self, key: str, outputs: Outputs) -> bool:
         outbox = self._open()
         if outbox is None:
@@ -266,14 +281,31 @@ class StreamReturn:
 class LocalReturn:
     """Outputs straight to a head in this process (stage logic tested without sockets)."""
 
+    round_trips: RoundTrips | None = None  # no link to measure
+
     def __init__(self, head: HeadAbove) -> None:
         self.head = head
+
+    def probe(self, timeout_s: float) -> None:
+        pass
 
     def send(self, key: str, outputs: Outputs) -> bool:
         self.head.deliver_return(key, outputs)
         return True
 
     def close(self) -> None:
+        pass
+
+
+def time_health_call(health: health_pb2_grpc.HealthStub, round_trips: RoundTrips, timeout_s: float) -> None:
+    """One call of the head's standard health service, timed into ``round_trips`` when answered
+    (whatever it says): the return link's round trip. A head that does not answer adds nothing;
+    the returns themselves notice a link that is down."""
+    try:
+        sent = time.perf_counter()
+        health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=timeout_s)
+        round_trips.add(time.perf_counter() - sent)
+    except grpc.RpcError:
         pass
 
 

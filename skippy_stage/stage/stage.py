@@ -31,6 +31,7 @@ from skippy_stage.stage.lifecycle import StageState
 from skippy_stage.stage.peers import Peers
 from skippy_stage.stage.reports import StageReport
 from skippy_stage.stage.returns import LocalReturn, StreamReturn, TcpReturn
+from skippy_stage.stage.round_trips import NOT_MEASURED, RoundTrip
 from skippy_stage.stage.steps import StageShape
 
 # A draining stage waits for sessions fed within this many seconds (work under way); older
@@ -56,6 +57,8 @@ class Stage(FramePath):
             else:
                 self.return_path = StreamReturn(config.return_to, stage_id=config.stage_id,
                                                 max_message_bytes=max_message_bytes, credentials=self.credentials)
+        self.metrics.gauge_from("downstream_rtt_seconds", lambda: self.downstream_rtt().median_s)
+        self.metrics.gauge_from("return_rtt_seconds", lambda: self.return_rtt().median_s)
 
     # -- the edges ---------------------------------------------------------------------
 
@@ -102,6 +105,18 @@ class Stage(FramePath):
                          to_stage=client.peer.stage_id, endpoint=client.peer.endpoint)
         if old is not None and close_old:
             old.close()
+
+    def downstream_rtt(self) -> RoundTrip:
+        """The measured round trip to the downstream now in use (none for a stage of this process)."""
+        downstream = self.downstream
+        trips = downstream.round_trips if downstream is not None else None
+        return trips.read() if trips is not None else NOT_MEASURED
+
+    def return_rtt(self) -> RoundTrip:
+        """A final stage's measured round trip to the head over its direct return."""
+        path = self.return_path
+        trips = path.round_trips if path is not None else None
+        return trips.read() if trips is not None else NOT_MEASURED
 
     # -- start, drain, stop -------------------------------------------------------------
 
@@ -169,6 +184,7 @@ class Stage(FramePath):
         downstream = self.downstream
         health = self.downstream_health
         runtime = self.runtime
+        down_rtt, return_rtt = self.downstream_rtt(), self.return_rtt()
         return StageReport(
             stage_id=cfg.stage_id, stage_index=cfg.stage_index, run_id=cfg.run_id, topology_id=cfg.topology_id,
             model_id=cfg.model_id or cfg.model_path, architecture=self.architecture,
@@ -180,4 +196,6 @@ class Stage(FramePath):
             downstream_endpoint=downstream.peer.endpoint if downstream else "",
             n_embd=runtime.n_embd if runtime is not None else 0,
             lanes=runtime.stats() if runtime is not None else None,
+            downstream_rtt_us=down_rtt.median_us, downstream_rtt_samples=down_rtt.samples,
+            return_rtt_us=return_rtt.median_us, return_rtt_samples=return_rtt.samples,
         )

@@ -57,6 +57,9 @@ class StepEntry:
     prompt_logprobs: int | None = None
     next_token: int | None = None  # with prompt_logprobs: the token after the last position
     draws_before: int = 0  # final stage: samples the session took before (a rebuilt sampler skips them)
+    digest_logits: bool = False  # final stage: a digest of each sampled logit row (a recorded schedule)
+    # Final stage, verify: a window in flight behind the previous one; sampled only if it continues it.
+    continues: bool = False
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
@@ -96,6 +99,7 @@ class Output:
     tokens: tuple[int, ...] | None = None  # a verify entry's samples (``token`` is the last)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per sample, when asked
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per row with a next token, when asked
+    logit_digests: tuple[int, ...] | None = None  # one per sample, when asked (``digest_logits``)
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
@@ -204,6 +208,8 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
                                           f"samples only")
             if token_ids is None:
                 raise InvalidRequestError(f"entries[{i}].verify needs token_ids: the drafts it verifies")
+        elif e.continues:
+            raise InvalidRequestError(f"entries[{i}].continues needs verify (a window of drafts it samples or not)")
         sampling = check_sampling(e.sampling, f"entries[{i}].sampling") if sample_last else None
         sampled = sample_last and final
         # Positional, in BatchEntry's field order (keywords cost a dict per entry per frame).
@@ -224,6 +230,8 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             e.prompt_logprobs if final else None,
             e.next_token if final else None,
             e.draws_before if sampled else 0,
+            e.digest_logits and sampled,
+            e.continues and final,
         ))
     return entries
 
@@ -245,5 +253,5 @@ def forward_step(step: Step, results: Sequence[EntryResult], shape: StageShape) 
 
 
 def outputs_from_results(results: Sequence[EntryResult], stage_id: str) -> Outputs:
-    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens, r.logprobs, r.prompt_logprobs)
+    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens, r.logprobs, r.prompt_logprobs, r.logit_digests)
                     for r in results], stage_id)

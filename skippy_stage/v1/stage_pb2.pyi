@@ -81,7 +81,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_start: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
-    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows", "top_logprobs", "fork_of", "prompt_logprobs", "next_token", "draws_before")
+    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows", "top_logprobs", "fork_of", "prompt_logprobs", "next_token", "draws_before", "digest_logits", "continues")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class BatchEntry(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAWS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     phase: Phase
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -114,7 +116,9 @@ class BatchEntry(_message.Message):
     prompt_logprobs: int
     next_token: int
     draws_before: int
-    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fork_of: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., next_token: _Optional[int] = ..., draws_before: _Optional[int] = ...) -> None: ...
+    digest_logits: bool
+    continues: bool
+    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fork_of: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., next_token: _Optional[int] = ..., draws_before: _Optional[int] = ..., digest_logits: _Optional[bool] = ..., continues: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
@@ -255,7 +259,7 @@ class FrameWelcome(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., stage_id: _Optional[str] = ...) -> None: ...
 
 class EntryOutput(_message.Message):
-    __slots__ = ("session_id", "has_token", "token", "logits", "tokens", "logprobs", "prompt_logprobs")
+    __slots__ = ("session_id", "has_token", "token", "logits", "tokens", "logprobs", "prompt_logprobs", "logit_digests")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +267,7 @@ class EntryOutput(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     has_token: bool
     token: int
@@ -270,7 +275,8 @@ class EntryOutput(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    logit_digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., logit_digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class IterationBatchResponse(_message.Message):
     __slots__ = ("outputs", "final_stage_id")
@@ -439,7 +445,7 @@ class LaneRow(_message.Message):
     def __init__(self, lane: _Optional[int] = ..., state: _Optional[str] = ..., session_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("stage_id", "stage_index", "run_id", "topology_id", "model_id", "architecture", "layer_start", "layer_end", "include_embeddings", "include_output", "n_embd", "state", "lane_count", "active_sessions", "idle_lanes", "free_lanes", "max_session_tokens", "total_session_tokens", "kv_pool_tokens", "kv_cells_per_lane", "discarded_lanes", "lanes", "downstream_stage_id", "downstream_endpoint", "downstream_ok", "downstream_error", "wire_dtype", "hop_transport", "frame_port", "tls", "resident_prefixes")
+    __slots__ = ("stage_id", "stage_index", "run_id", "topology_id", "model_id", "architecture", "layer_start", "layer_end", "include_embeddings", "include_output", "n_embd", "state", "lane_count", "active_sessions", "idle_lanes", "free_lanes", "max_session_tokens", "total_session_tokens", "kv_pool_tokens", "kv_cells_per_lane", "discarded_lanes", "lanes", "downstream_stage_id", "downstream_endpoint", "downstream_ok", "downstream_error", "wire_dtype", "hop_transport", "frame_port", "tls", "resident_prefixes", "downstream_rtt_us", "downstream_rtt_samples", "return_rtt_us", "return_rtt_samples")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -471,6 +477,10 @@ class StageStatus(_message.Message):
     FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_RTT_US_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_RTT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_RTT_US_FIELD_NUMBER: _ClassVar[int]
+    RETURN_RTT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     stage_index: int
     run_id: str
@@ -502,7 +512,11 @@ class StageStatus(_message.Message):
     frame_port: int
     tls: bool
     resident_prefixes: _containers.RepeatedCompositeFieldContainer[ResidentPrefix]
-    def __init__(self, stage_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., run_id: _Optional[str] = ..., topology_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., include_embeddings: _Optional[bool] = ..., include_output: _Optional[bool] = ..., n_embd: _Optional[int] = ..., state: _Optional[str] = ..., lane_count: _Optional[int] = ..., active_sessions: _Optional[int] = ..., idle_lanes: _Optional[int] = ..., free_lanes: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., total_session_tokens: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_cells_per_lane: _Optional[int] = ..., discarded_lanes: _Optional[int] = ..., lanes: _Optional[_Iterable[_Union[LaneRow, _Mapping]]] = ..., downstream_stage_id: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., downstream_ok: _Optional[bool] = ..., downstream_error: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., hop_transport: _Optional[str] = ..., frame_port: _Optional[int] = ..., tls: _Optional[bool] = ..., resident_prefixes: _Optional[_Iterable[_Union[ResidentPrefix, _Mapping]]] = ...) -> None: ...
+    downstream_rtt_us: int
+    downstream_rtt_samples: int
+    return_rtt_us: int
+    return_rtt_samples: int
+    def __init__(self, stage_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., run_id: _Optional[str] = ..., topology_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., include_embeddings: _Optional[bool] = ..., include_output: _Optional[bool] = ..., n_embd: _Optional[int] = ..., state: _Optional[str] = ..., lane_count: _Optional[int] = ..., active_sessions: _Optional[int] = ..., idle_lanes: _Optional[int] = ..., free_lanes: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., total_session_tokens: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_cells_per_lane: _Optional[int] = ..., discarded_lanes: _Optional[int] = ..., lanes: _Optional[_Iterable[_Union[LaneRow, _Mapping]]] = ..., downstream_stage_id: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., downstream_ok: _Optional[bool] = ..., downstream_error: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., hop_transport: _Optional[str] = ..., frame_port: _Optional[int] = ..., tls: _Optional[bool] = ..., resident_prefixes: _Optional[_Iterable[_Union[ResidentPrefix, _Mapping]]] = ..., downstream_rtt_us: _Optional[int] = ..., downstream_rtt_samples: _Optional[int] = ..., return_rtt_us: _Optional[int] = ..., return_rtt_samples: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -513,7 +527,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop", "speculative", "top_logprobs", "stream_interval_ms")
+    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop", "speculative", "top_logprobs", "stream_interval_ms", "record_schedule")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -522,6 +536,7 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
@@ -530,22 +545,25 @@ class GenerateRequest(_message.Message):
     speculative: Speculative
     top_logprobs: int
     stream_interval_ms: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., stream_interval_ms: _Optional[int] = ...) -> None: ...
+    record_schedule: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., stream_interval_ms: _Optional[int] = ..., record_schedule: _Optional[bool] = ...) -> None: ...
 
 class Speculative(_message.Message):
-    __slots__ = ("drafter", "k", "ngram", "adaptive")
+    __slots__ = ("drafter", "k", "ngram", "adaptive", "window_depth")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     NGRAM_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_DEPTH_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     k: int
     ngram: int
     adaptive: bool
-    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., ngram: _Optional[int] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    window_depth: int
+    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., ngram: _Optional[int] = ..., adaptive: _Optional[bool] = ..., window_depth: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id", "cached_tokens", "logprobs")
+    __slots__ = ("text", "token_ids", "done", "finish_reason", "prompt_tokens", "completion_tokens", "session_id", "cached_tokens", "logprobs", "schedule_json")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +573,7 @@ class GenerateResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_JSON_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     done: bool
@@ -564,4 +583,5 @@ class GenerateResponse(_message.Message):
     session_id: str
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    schedule_json: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., schedule_json: _Optional[str] = ...) -> None: ...

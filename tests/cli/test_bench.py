@@ -1,6 +1,7 @@
 """``skippy-stage bench`` runs end to end and writes every figure the issue asks for.
 
-Figures are never asserted here (machines are noisy); SKIPPY_BENCH_QUICK shrinks the run.
+Figures are never asserted here (machines are noisy), only what no noise can change;
+SKIPPY_BENCH_QUICK shrinks the run.
 """
 
 from __future__ import annotations
@@ -10,6 +11,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from skippy_stage.cli.bench import SECTIONS
+from skippy_stage.cli.bench.wan import WAN_DELAYS_MS
+from skippy_stage.cli.commands import bench_plan, build_parser
+from skippy_stage.errors import SkippyError
 from skippy_stage.model import host
 
 
@@ -110,3 +117,40 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
                                             "pipeline_prefill"}
         assert all(v > 0 for v in repack["on_vs_off"].values())
         assert "decode ms/token, repack on, 2 stages" in run.stdout and "repack on vs off (" in run.stdout
+    # The split over emulated links, at each delay (a quick run: 0 and 5 ms, 1 and 4 sessions).
+    wan = report["wan"]
+    assert wan["delays_ms"] == [0.0, 5.0]
+    by = wan["by_delay"]
+    assert set(by) == {"0", "5"}
+    zero = by["0"]["plain_ms_per_token"]
+    for key, d in (("0", 0.0), ("5", 5.0)):
+        e = by[key]
+        assert set(e["speculative_ms_per_token"]) == set(e["plain_ms_per_token_same_prompts"]) == {"repetitive",
+                                                                                                   "free_form"}
+        assert set(e["aggregate_tokens_per_s"]) == {"1", "4"}
+        assert e["ttft_ms_1024"] > 0 and all(v > 0 for v in e["aggregate_tokens_per_s"].values())
+        # The floor is the zero-delay decode and 3 edges' delay, by definition; no token crosses
+        # the chain's 3 delayed edges faster than that delay.
+        assert e["floor_ms_per_token"] == 3 * d + zero
+        assert e["plain_ms_per_token"] >= 3 * d
+        assert all(v >= 3 * d for v in e["plain_ms_per_token_same_prompts"].values())
+        # A plain greedy stream's text does not depend on the link's delay (one token per step).
+        assert e["outputs_match_zero_delay"]["plain"] is True
+        assert all(e["outputs_match_zero_delay"]["plain_same_prompts"].values())
+        assert isinstance(e["relay_one_way_ms"], float)  # measured: only noise bounds it from below
+    assert "plain / floor" in run.stdout and "relay one-way delay, measured" in run.stdout
+
+
+def test_bench_link_delay_asks_for_the_wan_section_at_that_delay_and_zero():
+    def plan(*flags: str):
+        return bench_plan(build_parser().parse_args(["bench", *flags]))
+
+    assert plan().sections == SECTIONS and plan().wan.delays_ms == WAN_DELAYS_MS
+    linked = plan("--link-delay-ms", "10", "--link-mbit", "100")
+    assert linked.sections == ("wan",) and linked.wan.delays_ms == (0.0, 10.0) and linked.wan.mbit == 100
+    assert plan("--only", "wan,decode", "--link-delay-ms", "3").sections == ("decode", "wan")
+    assert plan("--wan-delays-ms", "10,2").wan.delays_ms == (0.0, 2.0, 10.0)  # 0 always: the floor's
+    for flags in (["--only", "decode", "--link-delay-ms", "5"], ["--only", "nope"], ["--wan-delays-ms", "-1"],
+                  ["--wan-delays-ms", "2,x"], ["--link-delay-ms", "5", "--link-mbit", "0"]):
+        with pytest.raises(SkippyError):
+            plan(*flags)

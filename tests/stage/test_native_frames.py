@@ -9,6 +9,8 @@ routed where replies from below will look for it. Every frame it cannot prove pl
 *decline* without touching anything, so the Python path runs it and gives its usual refusal,
 naming the field. Checked in one process against the real SmolLM2 splits 0:15 / 15:30 and
 0:10 / 10:20 / 20:30 (a socket pair standing for the next link), and on real ``serve`` processes.
+The bench (the chains, the paths on them, the frames the stages above send) is ``support/frames.py``;
+mutated frames go through the same paths in ``test_frame_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from support.frames import (
     returned,
     state,
 )
+from support.mutations import Field, encode, fields, put_varint
 from support.pipeline import assert_no_active_sessions, grpc_generate, metric, reference_texts, scrape, status
 from support.waiting import eventually
 
@@ -109,6 +112,10 @@ def test_frames_it_cannot_prove_plain_are_declined_and_touch_nothing(chain, nati
         "a session id that is not ASCII": body("dé", pos, token, row),
         "a field it does not know": plain + b"\xb0\x06\x01",  # field 102, varint
         "a prefix id": body("d", pos, token, row, prefix_id="p"),
+        # Descriptor fields are 32 bits wide: the Python path reads a longer varint cut to 32 bits (this
+        # one as 4294967295, above layer_end: refused), where a signed 64-bit reading gives -1, below it.
+        "a layer_start of 2^64 - 1": descriptor_varint(plain, 5, 2**64 - 1),
+        "a width of 2^32 + 576": descriptor_varint(plain, 11, 2**32 + N_EMBD),
     }
     before = state(tail, "d")
     try:
@@ -130,6 +137,22 @@ def test_frames_it_cannot_prove_plain_are_declined_and_touch_nothing(chain, nati
     finally:
         tail.drop_session("d")
         head.drop_session("h-d")
+
+
+def descriptor_varint(frame: bytes, number: int, value: int) -> bytes:
+    """``frame`` (a HopRequest's bytes) with its descriptor's field ``number`` a varint of ``value``, up
+    to 64 bits as the wire allows (protobuf's own 32-bit fields cannot hold them)."""
+    hop = fields(frame)
+    (request,) = [f for f in hop if f.number == 2]
+    inner = fields(request.value)
+    (activation,) = [f for f in inner if f.number == 3]
+    parts = fields(activation.value)
+    (descriptor,) = [f for f in parts if f.number == 1]
+    descriptor.value = encode([*(f for f in fields(descriptor.value) if f.number != number),
+                               Field(number, 0, put_varint(value))])
+    activation.value = encode(parts)
+    request.value = encode(inner)
+    return encode(hop)
 
 
 def test_corrupted_frames_never_crash_it_and_keep_the_session_consistent(chain, native, link):
@@ -161,7 +184,6 @@ def test_corrupted_frames_never_crash_it_and_keep_the_session_consistent(chain, 
 
 
 # -- an inner stage ------------------------------------------------------------------------------
-
 
 
 def test_an_inner_stage_sends_on_the_python_paths_rows_with_the_entries_as_they_came(chain3, inner, link):
@@ -224,7 +246,6 @@ def test_an_inner_send_that_fails_hands_the_frame_back_for_the_edge_to_be_report
 # -- the head's own steps ------------------------------------------------------------------------
 
 
-
 def test_the_heads_step_sends_the_python_paths_rows_under_the_key_its_wait_is_registered_with(
         chain3, head_path, link):
     head = chain3.stages[0]
@@ -277,8 +298,6 @@ def test_head_steps_it_cannot_prove_plain_are_declined_and_touch_nothing(chain3,
 
 
 # -- the head's lone generation (``FramePath.lone``) -----------------------------------------------
-
-
 
 
 def test_a_lone_run_feeds_each_returned_token_to_the_next_step_until_its_limit(chain3, head_path, lone_head, link):

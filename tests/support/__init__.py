@@ -1,3 +1,4 @@
-"""What the tests share: in-process chains of runtimes (``chain``), clients of real stage
+"""What the tests share: in-process chains of runtimes (``chain``), the compiled frame path's bench
+(``frames``), mutations of protobuf bytes for fuzzing (``mutations``), clients of real stage
 processes (``pipeline``), certificates for TLS and token tests (``pki``), and checks of the
 deployment files (``deploy``)."""

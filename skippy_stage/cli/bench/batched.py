@@ -58,14 +58,14 @@ def single_process(model: Path, threads: int, cache_dir: str) -> dict[str, objec
     return {"prefill_tps": prefill_tps, "aggregate": aggregate}
 
 
-def _prefill_prompt(model: Path, cache_dir: str) -> str:
-    """A text of exactly PREFILL_TOKENS tokens for the head's tokenizer."""
+def _prefill_prompt(model: Path, cache_dir: str, n_tokens: int = PREFILL_TOKENS) -> str:
+    """A text of ``n_tokens`` tokens for the head's tokenizer (at most: a cut may leave one fewer)."""
     cfg = StageConfig(model_path=str(model), stage_id="tok", stage_index=0, layer_start=0, layer_end=30,
                       lane_count=1, ctx_size=1024, cache_dir=cache_dir, n_threads=1)
     runtime = StageRuntime(cfg)
     try:
-        text, _ = _long_prompt(runtime, PREFILL_TOKENS)
-        while len(runtime.tokenizer.tokenize(text)) > PREFILL_TOKENS:
+        text, _ = _long_prompt(runtime, n_tokens)
+        while len(runtime.tokenizer.tokenize(text)) > n_tokens:
             text = text[:-1]
         return text
     finally:

@@ -10,14 +10,17 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from skippy_stage.cli.bench.workload import PROMPT
 from skippy_stage.cli.client import generate
-from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs
+from skippy_stage.cli.local import LocalPipeline, free_ports, pipeline_configs, relay_links
 from skippy_stage.cli.settings import apply_settings
 from skippy_stage.errors import SkippyError
 from skippy_stage.server import wake_latency
+
+if TYPE_CHECKING:
+    from skippy_stage.ops.link import ChainRelays, Link
 
 # ``bench --set``: applied to the stages of every pipeline a phase starts (see run).
 SETTINGS: list[str] = []
@@ -48,9 +51,11 @@ class _Pipeline:
 
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
                  transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False,
-                 kv_unified: bool | None = None, native_frames: bool = True, extra: dict | None = None) -> None:
+                 kv_unified: bool | None = None, native_frames: bool = True, extra: dict | None = None,
+                 link: Link | None = None) -> None:
         """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
-        again and again, which resident prefixes would answer without a prefill."""
+        again and again, which resident prefixes would answer without a prefill. ``link``: every
+        edge of the chain through the link emulator (``relays``), in this process."""
         threads = self.threads = stage_threads(len(ranges))
         ports = free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
@@ -64,8 +69,18 @@ class _Pipeline:
         configs = apply_settings(configs, SETTINGS)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
-        self.local = LocalPipeline(configs, workdir)
-        self.local.wait_serving(300)
+        self.relays: ChainRelays | None = relay_links(configs, link) if link is not None else None
+        try:
+            self.local = LocalPipeline(configs, workdir, links=self.relays)
+        except BaseException:
+            if self.relays is not None:
+                self.relays.close()
+            raise
+        try:
+            self.local.wait_serving(300)
+        except BaseException:
+            self.local.stop()
+            raise
         self.endpoint = self.local.head_endpoint
 
     def generate(self, prompt: str, max_tokens: int) -> dict[str, float]:

@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,21 +36,60 @@ class _StopAtFirstText(io.StringIO):
 
 
 def quiet_client_loop() -> None:
-    """The quiet client's process: lowest CPU priority, then one Generate call per JSON line
-    read (endpoint, prompt, max_tokens, stream_interval_ms, hold), each answered by a JSON line
-    (ok, figures or error). ``hold``: the process stops itself at the first text (``_StopAtFirstText``)."""
+    """The quiet client's process: lowest CPU priority, then one request per JSON line read (an
+    object: endpoint, prompt, max_tokens, stream_interval_ms, hold, speculative, sessions), each
+    answered by a JSON line (ok, figures or error). ``hold``: the process stops itself at the first
+    text (``_StopAtFirstText``). ``sessions``: that many Generate calls at once, one thread each
+    (``_concurrent``). The figures of one call carry its ``text``."""
     os.nice(19)
     replies, sys.stdout = sys.stdout, sys.stderr  # nothing but replies on the pipe
     for line in sys.stdin:
-        endpoint, prompt, max_tokens, interval_ms, hold = json.loads(line)
+        request = json.loads(line)
         try:
-            answer = [True, generate(endpoint, prompt, max_tokens=max_tokens, temperature=0.0, seed=None,
-                                     chat=False, out=_StopAtFirstText() if hold else io.StringIO(),
-                                     stream_interval_ms=interval_ms)]
+            answer = [True, _concurrent(request) if "sessions" in request else _one(request)]
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which raises it
             answer = [False, f"{type(exc).__name__}: {exc}"]
         replies.write(json.dumps(answer) + "\n")
         replies.flush()
+
+
+def _one(request: dict) -> dict[str, object]:
+    out = _StopAtFirstText() if request.get("hold") else io.StringIO()
+    figures = generate(request["endpoint"], request["prompt"], max_tokens=request["max_tokens"], temperature=0.0,
+                       seed=None, chat=False, out=out, stream_interval_ms=request.get("stream_interval_ms"),
+                       speculative=request.get("speculative"))
+    return {**figures, "text": out.getvalue()}
+
+
+def _concurrent(request: dict) -> dict[str, object]:
+    """``sessions`` greedy generations of the same prompt at once: tokens over the wall time from
+    the first request to the last answer, and each session's text."""
+    done: list[dict[str, object]] = []
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            figures = _one({**request, "hold": False})
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            with lock:
+                failed.append(exc)
+            return
+        with lock:
+            done.append(figures)
+
+    threads = [threading.Thread(target=run) for _ in range(request["sessions"])]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - started
+    if failed:
+        raise failed[0]
+    tokens = sum(int(figures["completion_tokens"]) for figures in done)
+    return {"completion_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "texts": [figures["text"] for figures in done]}
 
 
 class HeadProbe:
@@ -102,9 +142,20 @@ class QuietClient:
             [sys.executable, "-c", "from skippy_stage.cli.bench.quiet_client import quiet_client_loop; quiet_client_loop()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def generate(self, endpoint: str, prompt: str, max_tokens: int,
-                 stream_interval_ms: int | None = None) -> dict[str, float]:
-        self._proc.stdin.write(json.dumps([endpoint, prompt, max_tokens, stream_interval_ms, False]) + "\n")
+    def generate(self, endpoint: str, prompt: str, max_tokens: int, stream_interval_ms: int | None = None,
+                 speculative: dict[str, object] | None = None) -> dict[str, float]:
+        """One greedy generation's figures (``client.generate``'s) and its ``text``."""
+        return self._ask({"endpoint": endpoint, "prompt": prompt, "max_tokens": max_tokens,
+                          "stream_interval_ms": stream_interval_ms, "speculative": speculative})
+
+    def concurrent(self, endpoint: str, prompt: str, max_tokens: int, sessions: int) -> dict[str, object]:
+        """``sessions`` greedy generations of ``prompt`` at once: ``completion_tokens`` in all,
+        ``seconds`` (the first request to the last answer), ``tokens_per_s`` and each one's text
+        (``texts``)."""
+        return self._ask({"endpoint": endpoint, "prompt": prompt, "max_tokens": max_tokens, "sessions": sessions})
+
+    def _ask(self, request: dict[str, object]) -> dict:
+        self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         return self._reply()
 
@@ -115,7 +166,8 @@ class QuietClient:
         client on another host, whose CPU is not the stages'. The head's stream is unchanged: it
         still hands gRPC one message per token."""
         before = head.tpot()
-        self._proc.stdin.write(json.dumps([head.endpoint, prompt, max_tokens, None, max_tokens > 1]) + "\n")
+        self._proc.stdin.write(json.dumps({"endpoint": head.endpoint, "prompt": prompt, "max_tokens": max_tokens,
+                                           "hold": max_tokens > 1}) + "\n")
         self._proc.stdin.flush()
         if max_tokens > 1 and self._stopped_or_replied():
             head.wait_for_generation_end(before)

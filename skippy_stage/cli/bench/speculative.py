@@ -4,6 +4,7 @@ answer quotes it and on a free one."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,29 +24,40 @@ SPEC_PROMPTS = {"repetitive": f"Repeat the following passage exactly.\n\nPassage
 SPEC_TOKENS = 24 if QUICK else 96
 
 
+def spec_run(generate: Callable[[str, int, dict[str, object]], dict], head_metrics: int, prompt: str,
+             drafter: str) -> tuple[float, float, float, str]:
+    """One greedy generation of ``prompt`` with ``drafter`` (``k: "auto"``: adaptive drafting, the
+    speed setting; a number k drafts as the reference does, every step up to k rows, which on a CPU
+    can cost more than it saves), through ``generate(prompt, max_tokens, speculative)``: ms per
+    token after the first, decoded tokens per decode step through the chain and rows per step (the
+    head's batches, from its metrics at ``head_metrics``), and the text (empty when ``generate``
+    does not return it)."""
+    before = _scrape(head_metrics)
+    figures = generate(prompt, SPEC_TOKENS, {"drafter": drafter, "k": "auto"})
+    after = _scrape(head_metrics)
+    steps, rows = (after.get(name, 0.0) - before.get(name, 0.0)
+                   for name in ("skippy_batch_entries_count", "skippy_batch_tokens_sum"))
+    n = figures["completion_tokens"]
+    ms = (figures["seconds"] - figures["ttft_s"]) / max(n - 1, 1) * 1e3
+    # the first step is the prompt's prefill: its rows are the prompt's tokens
+    prompt_rows = figures["prompt_tokens"]
+    decode_steps = max(steps - 1, 1)
+    return ms, (n - 1) / decode_steps, (rows - prompt_rows) / decode_steps, str(figures.get("text", ""))
+
+
 def _speculative(model: Path, workdir: Path, cache_dir: str) -> dict[str, dict[str, object]]:
     """3 stages, greedy, one stream: each prompt without speculation and with the ngram drafter
-    (``k: "auto"``, adaptive drafting: the speed setting; a number k drafts as the reference does, every
-    step up to k rows, which on a CPU can cost more than it saves), interleaved in rounds (medians). ``tokens_per_trip``: decoded tokens
-    per decode step through the chain (the head's batches, from its metrics); ``ms_per_token``:
-    after the first token."""
+    (``spec_run``), interleaved in rounds (medians). ``tokens_per_trip``: decoded tokens per decode
+    step through the chain; ``ms_per_token``: after the first token."""
     (workdir / "speculative").mkdir()
     pipeline = _Pipeline(model, THREE, workdir / "speculative", cache_dir, kv_unified=False)
-    head_metrics = pipeline.metrics_ports[0]
+
+    def generate_here(prompt: str, max_tokens: int, speculative: dict[str, object]) -> dict[str, float]:
+        return generate(pipeline.endpoint, prompt, max_tokens=max_tokens, temperature=0.0, seed=None, chat=False,
+                        out=io.StringIO(), speculative=speculative)
 
     def one(prompt: str, drafter: str) -> tuple[float, float, float]:
-        before = _scrape(head_metrics)
-        figures = generate(pipeline.endpoint, prompt, max_tokens=SPEC_TOKENS, temperature=0.0, seed=None, chat=False,
-                           out=io.StringIO(), speculative={"drafter": drafter, "k": "auto"})
-        after = _scrape(head_metrics)
-        steps, rows = (after.get(name, 0.0) - before.get(name, 0.0)
-                       for name in ("skippy_batch_entries_count", "skippy_batch_tokens_sum"))
-        n = figures["completion_tokens"]
-        ms = (figures["seconds"] - figures["ttft_s"]) / max(n - 1, 1) * 1e3
-        # the first step is the prompt's prefill: its rows are the prompt's tokens
-        prompt_rows = figures["prompt_tokens"]
-        decode_steps = max(steps - 1, 1)
-        return ms, (n - 1) / decode_steps, (rows - prompt_rows) / decode_steps
+        return spec_run(generate_here, pipeline.metrics_ports[0], prompt, drafter)[:3]
 
     out: dict[str, dict[str, object]] = {}
     try:

@@ -5,11 +5,36 @@ from __future__ import annotations
 
 
 def format_table(report: dict[str, object]) -> str:
+    """The sections the report holds, each as its rows (the host's settings always)."""
     r = report
+    lines = []
+    if {"pipeline_ms_per_token", "aggregate_tokens_per_s", "chat_ttft_s", "speculative", "repack"} & set(r):
+        lines.append(f"{'measure':44} {'pipeline':>12} {'single':>12} {'ratio':>8} {'target':>8}")
+    if "pipeline_ms_per_token" in r:
+        lines += _decode_lines(r)
+    if "aggregate_tokens_per_s" in r:
+        lines += _batched_lines(r)
+    if "chat_ttft_s" in r:
+        lines += _chat_lines(r)
+    if "speculative" in r:
+        lines += _speculative_lines(r)
+    if "pipeline_ms_per_token" in r:
+        lines += _transport_lines(r)
+    if "hop_floor_us" in r:
+        lines += _floor_lines(r)
+    if "pipeline_ms_per_token" in r:
+        lines += _cpu_lines(r)
+    lines += _host_lines(r)
+    if "repack" in r:
+        lines += _repack_lines(r)
+    if "wan" in r:
+        lines += wan_lines(r["wan"])
+    return "\n".join(lines)
+
+
+def _decode_lines(r: dict) -> list[str]:
     ratios = r["ratios"]
-    agg = r["aggregate_tokens_per_s"]
-    lines = [
-        f"{'measure':44} {'pipeline':>12} {'single':>12} {'ratio':>8} {'target':>8}",
+    return [
         f"{'decode ms/token, 2 stages':44} {r['pipeline_ms_per_token']['2']:12.2f} "
         f"{r['single_process_ms_per_token']:12.2f} {ratios['decode_2_stage']:8.2f} {'>=0.95':>8}",
         f"{'decode ms/token, 3 stages':44} {r['pipeline_ms_per_token']['3']:12.2f} "
@@ -24,22 +49,39 @@ def format_table(report: dict[str, object]) -> str:
         f"{ratios['decode_2_stage_vs_1_stage']:5.2f} / {ratios['decode_3_stage_vs_1_stage']:.2f}",
         f"{'per-hop overhead (us, 3-stage excess / 3 legs)':44} {r['per_hop_overhead_us']:12.0f}",
         f"{'per-hop overhead (us, from stage histograms)':44} {r['per_hop_overhead_us_histograms']:12.0f}",
+        f"{'split cost per extra stage (us, client view)':44} {r['split_cost_us_per_extra_stage']:12.0f}",
     ]
+
+
+def _batched_lines(r: dict) -> list[str]:
+    ratios = r["ratios"]
+    agg = r["aggregate_tokens_per_s"]
+    lines = []
     for c in ("1", "4", "8"):
         lines.append(f"{'aggregate tok/s, concurrency ' + c:44} {agg['pipeline'][c]:12.1f} "
                      f"{agg['single_process'][c]:12.1f} {agg['pipeline'][c] / agg['single_process'][c]:8.2f}"
                      f" {'>=0.85' if c == '8' else '':>8}")
-    lines.append(f"{'split cost per extra stage (us, client view)':44} {r['split_cost_us_per_extra_stage']:12.0f}")
     lines.append(f"{'aggregate 8 vs pipeline 1':44} {'':>12} {'':>12} {ratios['aggregate_8_vs_pipeline_1']:8.2f} {'>=1.5':>8}")
     p = r["prefill_tokens_per_s"]
     lines.append(f"{'prefill tok/s, 512-token prompt':44} {p['pipeline']:12.1f} {p['single_process']:12.1f} "
                  f"{ratios['prefill_512']:8.2f} {'>=0.95':>8}")
+    return lines
+
+
+def _chat_lines(r: dict) -> list[str]:
+    ratios = r["ratios"]
+    lines = []
     chat = r["chat_ttft_s"]
     lines.append(f"{'chat turn 4 TTFT s, no prefix cache / cache':44} {chat['without_prefix_cache'][-1]:12.3f} "
                  f"{chat['with_prefix_cache'][-1]:12.3f} {ratios['chat_turn4_ttft_without_vs_with_prefix_cache']:8.2f} "
                  f"{'>=3':>8}")
     lines.append("chat TTFT s per turn, with prefix cache: " + ", ".join(f"{t:.3f}" for t in chat["with_prefix_cache"])
                  + "; without: " + ", ".join(f"{t:.3f}" for t in chat["without_prefix_cache"]))
+    return lines
+
+
+def _speculative_lines(r: dict) -> list[str]:
+    lines = []
     for name, target in (("repetitive", ">=1.8"), ("free_form", ">=0.95")):
         s = r["speculative"][name]
         lines.append(f"{'speculative ngram, ' + name + ' (ms/token)':44} {s['ngram']['ms_per_token']:12.2f} "
@@ -47,6 +89,11 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"  ngram: {s['ngram']['tokens_per_trip']:.2f} tokens per trip of {s['ngram']['rows_per_trip']:.2f} rows, "
                      f"a trip costing {s['trip_cost_ratio']:.2f}x a plain one (ratio column: tokens/s with ngram over "
                      f"without, 3 stages)")
+    return lines
+
+
+def _transport_lines(r: dict) -> list[str]:
+    lines = []
     lines.append(f"{'hop latency (us, send -> next stage computes)':44} {r['hop_latency_us']:12.0f} "
                  f"{'':>12} {'':>8} {'<=200':>8}")
     for transport, t in r["transport_comparison_3_stage"].items():
@@ -72,6 +119,11 @@ def format_table(report: dict[str, object]) -> str:
     rp = r["return_path_comparison_3_stage"]
     lines.append(f"3 stages, tokens relayed back: {rp['relay_ms_per_token']:.2f} ms/token; "
                  f"straight to the head: {rp['direct_ms_per_token']:.2f} ms/token (medians, interleaved runs)")
+    return lines
+
+
+def _floor_lines(r: dict) -> list[str]:
+    lines = []
     floor = r["hop_floor_us"]
     lines.append(f"hop floor, 2304-byte frame to another process and back: grpcio stream "
                  f"{floor['grpc_stream_round_trip_us']:.0f} us, TCP frames {floor['tcp_frame_round_trip_us']:.0f} us, "
@@ -82,6 +134,11 @@ def format_table(report: dict[str, object]) -> str:
                  f"{wake['host_policy']:.0f} us" + (f", idle CPUs held to 0 us {wake['held_0_us']:.0f} us"
                                                     if "held_0_us" in wake else "")
                  + f"; bench stages held cpu_wake_latency_us={'unset (host policy)' if held is None else held}")
+    return lines
+
+
+def _cpu_lines(r: dict) -> list[str]:
+    lines = []
     for n, cpu in r["stage_cpu_ms_per_token"].items():
         lines.append(f"CPU ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in cpu))
     by_thread = r["token_cpu_us_by_thread"]
@@ -96,6 +153,11 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"compute ms per token by stage, {n} stages: " + ", ".join(f"{c:.2f}" for c in by_stage)
                      + f" (sum {r['stage_compute_ms_per_token'][n]:.2f}; single process "
                        f"{r['single_process_ms_per_token']:.2f} in all)")
+    return lines
+
+
+def _host_lines(r: dict) -> list[str]:
+    lines = []
     spin, policy, bind = r["openmp_spincount"], r["openmp_wait_policy"], r["openmp_proc_bind"]
     lines.append(f"OpenMP spin count: stages {spin['stages']}, single process {spin['single_process']}; wait policy: "
                  f"stages {policy['stages']}, single process {policy['single_process']}; threads "
@@ -107,6 +169,11 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"CPU graphs on llama.cpp built without OpenMP: stages {threads['stages']}, single process "
                      f"{threads['single_process']} (the OpenMP settings above do nothing)")
     lines.append("wire bytes/token: " + ", ".join(f"{k} {v}" for k, v in r["wire_bytes_per_token"].items()))
+    return lines
+
+
+def _repack_lines(r: dict) -> list[str]:
+    lines = []
     rp = r["repack"]
     if "skipped" in rp:
         lines.append(f"repack on vs off: skipped ({rp['skipped']})")
@@ -122,4 +189,56 @@ def format_table(report: dict[str, object]) -> str:
         lines.append(f"repack on vs off ({rp['model']}; above 1: on is faster): decode {v['pipeline_decode']:.2f} "
                      f"(single process {v['single_process_decode']:.2f}), prefill {v['pipeline_prefill']:.2f} "
                      f"(single process {v['single_process_prefill']:.2f})")
-    return "\n".join(lines)
+    return lines
+
+
+def wan_lines(wan: dict) -> list[str]:
+    """The ``wan`` section: a column per one-way delay, the target (at any delay D) last."""
+    keys = [f"{d:g}" for d in wan["delays_ms"]]
+    by = wan["by_delay"]
+    cond = wan["conditions"]
+    targets = wan["targets"]
+    top = str(max(cond["concurrency"]))
+    link = f", each capped at {wan['link_mbit']:g} Mbit/s" if wan.get("link_mbit") else ""
+    lines = [f"wan: {cond['stages']} stages, every edge through the link emulator at D ms one-way{link}; "
+             f"medians of {cond['rounds']} round{'s' if cond['rounds'] != 1 else ''}",
+             f"{'measure':44} " + " ".join(f"{k + ' ms':>9}" for k in keys) + f"  {'target':<}"]
+
+    def row(label: str, values: list[str], target: str = "") -> None:
+        lines.append(f"{label:44} " + " ".join(f"{v:>9}" for v in values) + (f"  {target}" if target else ""))
+
+    def each(get, fmt: str = ".2f") -> list[str]:
+        return [format(get(by[k]), fmt) for k in keys]
+
+    row("relay one-way delay, measured (ms)", each(lambda e: e["relay_one_way_ms"]), "D")
+    row("plain decode ms/token", each(lambda e: e["plain_ms_per_token"]))
+    row(f"floor ms/token ({cond['edges_per_token']} x D + plain at 0 ms)", each(lambda e: e["floor_ms_per_token"]))
+    row("plain / floor", each(lambda e: e["ratios"]["plain_vs_floor"]), f"<={targets['plain_vs_floor_max']:g}")
+    for name, label in (("repetitive", "repetitive"), ("free_form", "free-form")):
+        row(f"speculative ngram, {label}: ms/token", each(lambda e, n=name: e["speculative_ms_per_token"][n]))
+        row("  plain, the same prompt: ms/token", each(lambda e, n=name: e["plain_ms_per_token_same_prompts"][n]))
+        row("  tokens/s, ngram over plain", each(lambda e, n=name: e["ratios"]["speculative_vs_plain_tokens_per_s"][n]),
+            f">={targets['speculative_vs_plain_tokens_per_s_min'][name]:g}")
+        row("  tokens kept per trip; ms per trip",
+            [f"{e['speculative_tokens_per_trip'][name]:.1f};{e['speculative_ms_per_trip'][name]:.0f}"
+             for e in (by[k] for k in keys)])
+    for c in cond["concurrency"]:
+        row(f"aggregate tok/s, {c} session{'s' if c != 1 else ''}",
+            each(lambda e, c=str(c): e["aggregate_tokens_per_s"][c], ".1f"))
+    row(f"aggregate {top} sessions vs zero delay", each(lambda e: e["ratios"]["aggregate_vs_zero_delay"][top]),
+        f">={targets[f'aggregate_{top}_vs_zero_delay_min']:g}")
+    row(f"TTFT ms, {cond['ttft_prompt_tokens']}-token prompt", each(lambda e: e["ttft_ms_1024"], ".0f"),
+        f"<=TTFT at 0 + {targets['ttft_excess_trips_max']} x {cond['edges_per_token']} x D")
+    row(f"  (TTFT - TTFT at 0) / ({cond['edges_per_token']} x D): trips paid", each(lambda e: e["ratios"]["ttft_excess_trips"], ".1f"),
+        f"<={targets['ttft_excess_trips_max']}")
+    row("outputs as at 0 ms (plain; speculative)",
+        [f"{'yes' if e['outputs_match_zero_delay']['plain'] else 'NO'};"
+         f"{'yes' if all(e['outputs_match_zero_delay']['speculative'].values()) else 'NO'}"
+         for e in (by[k] for k in keys)])
+    depth = cond.get("verify_window_depth")
+    lines.append(f"  lanes {cond['lane_count']}, max_inflight {cond['max_inflight']}"
+                 + (f", verify_window_depth {depth}" if depth is not None else "")
+                 + f", n_batch {cond.get('n_batch', '?')}, hop transport "
+                 f"{cond['hop_transport']}; {cond['decode_tokens']} plain tokens, {cond['speculative_tokens']} "
+                 f"speculative (k auto), {cond['aggregate_tokens_per_session']} per concurrent session")
+    return lines

@@ -1,13 +1,13 @@
 """What every bench phase sends and how much of it: the prompt, token counts, rounds and splits.
 
-SKIPPY_BENCHQUICK=1 shrinks every run (the test suite uses it to check the report's shape).
+SKIPPY_BENCH_QUICK=1 shrinks every run (the test suite uses it to check the report's shape).
 """
 
 from __future__ import annotations
 
 import os
 
-QUICK = os.environ.get("SKIPPY_BENCHQUICK") == "1"
+QUICK = os.environ.get("SKIPPY_BENCH_QUICK") == "1"
 DECODE_TOKENS = 16 if QUICK else 128
 AGG_TOKENS = 8 if QUICK else 64
 # Five rounds (medians): on a busy 2-vCPU host one round of a 3-stage decode can take 2x the next.

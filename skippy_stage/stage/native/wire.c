@@ -142,6 +142,10 @@ static int parse_descriptor(const uint8_t *s, size_t n, desc_t *d) {
         uint64_t v;
         if (!rd_key(&r, &f, &wt) || wt != 0 || !rd_varint(&r, &v)) return 0;
         if (f > 11) return 0;
+        /* Every field but payload_bytes is 32 bits wide, and the Python path reads a longer varint cut
+         * to its low 32 bits: a layer_start of 2^64 - 1 is 4294967295 there (refused), where as an
+         * int64 it is -1 (below layer_end). Declined, so both read the same numbers. */
+        if (f != 9 && v > UINT32_MAX) return 0;
         int64_t x = (int64_t)v;
         switch (f) {
         case 1: d->version = x; break;
