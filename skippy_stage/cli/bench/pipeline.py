@@ -71,7 +71,8 @@ class _Pipeline:
             cfg["metrics_port"] = port
         self.relays: ChainRelays | None = relay_links(configs, link) if link is not None else None
         try:
-            self.local = LocalPipeline(configs, workdir, links=self.relays)
+            # The report, not every request's log line of every stage (warnings still show).
+            self.local = LocalPipeline(configs, workdir, links=self.relays, log_level="warning")
         except BaseException:
             if self.relays is not None:
                 self.relays.close()
