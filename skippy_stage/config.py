@@ -217,6 +217,8 @@ DRAFTERS = ("none", "ngram", "model")
 MAX_DRAFT_K = 16
 # Most speculative windows of one session in flight at the head (verify_window_depth).
 MAX_VERIFY_WINDOW_DEPTH = 8
+# Most chunks of one prompt in flight at the head (prefill_chunks_in_flight).
+MAX_PREFILL_CHUNKS_IN_FLIGHT = 16
 AUTO_DRAFT_K = 8  # k="auto": adaptive drafting, at most this many tokens per step
 MAX_NGRAM = 8
 MTP_REFUSAL = ("native multi-token-prediction heads are not supported: the pinned llama.cpp "
@@ -405,6 +407,11 @@ class StageConfig:
     the head drafts the next from the guess that it is all kept and sends it; a window cut short makes the
     later ones stale (dropped, their rows rewound). Each session keeps as many as pay, measured from its
     drafts' acceptance and the chain's trip time (over slow links more); 1: one window per trip."""
+    prefill_chunks_in_flight: int = 4
+    """Head: most n_ubatch chunks of one prompt in flight down the chain (1..16). The next chunk leaves
+    while the one before it is still on its way, so every stage works on one as soon as it is free and a
+    link's delay is paid about once per prompt, not once per chunk; the chunks are those of one at a time
+    (the same batches, the same numbers). 1: each chunk waits for the one before it to come back."""
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on this port; unset: no metrics endpoint."""
     cpu_wake_latency_us: int | None = None
@@ -735,6 +742,10 @@ def _validate(cfg: StageConfig) -> None:
                     f"must be <= {MAX_MESSAGE_BYTES} (2 GiB - 1: gRPC counts message bytes in a signed 32-bit int)")
     _require_int(cfg, "max_inflight", 1)
     _require_int(cfg, "verify_window_depth", 1)
+    _require_int(cfg, "prefill_chunks_in_flight", 1)
+    if cfg.prefill_chunks_in_flight > MAX_PREFILL_CHUNKS_IN_FLIGHT:
+        raise _fail(cfg, "prefill_chunks_in_flight", cfg.prefill_chunks_in_flight,
+                    f"must be <= {MAX_PREFILL_CHUNKS_IN_FLIGHT}")
     if cfg.verify_window_depth > MAX_VERIFY_WINDOW_DEPTH:
         raise _fail(cfg, "verify_window_depth", cfg.verify_window_depth, f"must be <= {MAX_VERIFY_WINDOW_DEPTH}")
     for name in ("metrics_port", "http_port", "frame_port"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
@@ -75,6 +76,38 @@ def test_a_four_turn_chat_over_three_stages_reuses_each_turn_and_equals_llama(pi
         assert report.resident_prefixes and all(p.tokens > 0 for p in report.resident_prefixes)
         assert report.active_sessions == 0
     assert len({tuple(sorted(p.prefix_id for p in s.resident_prefixes)) for s in reports}) == 1
+
+
+def drop_calls(port: int) -> float:
+    """DropSession calls the stage answered, whatever their status (none yet: 0)."""
+    text = scrape(port)
+    total = 0.0
+    for code in ("OK", "NOT_FOUND", "UNAVAILABLE", "INVALID_ARGUMENT"):
+        try:
+            total += metric(text, "skippy_requests_total", rpc="DropSession", code=code)
+        except AssertionError:
+            pass
+    return total
+
+
+def test_finished_sessions_end_in_band_without_a_call_down_the_chain(pipeline):
+    """More generations than lanes, at once: each finished session is retired (or dropped) on every
+    stage by one in-band message ahead of the next frame — no DropSession call crosses an edge, the
+    queued requests get the freed lanes, every stage ends with no live session and the same resident
+    prefixes, and a follow-up starts from one of them."""
+    calls = [drop_calls(port) for port in pipeline.metrics_ports[1:]]
+    client = client_of(pipeline)
+    prompts = [f"Write one sentence about the number {n}." for n in range(7)]  # 7 on 4 lanes: 3 wait
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(lambda p: client.completions.create(
+            model="m", prompt=p, max_tokens=6, temperature=0).choices[0].text, prompts))
+    reports = eventually(lambda: statuses(pipeline), lambda rs: all(r.active_sessions == 0 for r in rs))
+    prefixes = [sorted(p.prefix_id for p in r.resident_prefixes) for r in reports]
+    assert prefixes[0] and prefixes == [prefixes[0]] * len(reports), prefixes
+    assert [drop_calls(port) for port in pipeline.metrics_ports[1:]] == calls
+    again = client.completions.create(model="m", prompt=prompts[-1], max_tokens=6, temperature=0)
+    assert again.choices[0].text == texts[-1]
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_more_conversations_than_idle_slots_evict_prefixes_and_every_text_stays_exact(start_pipeline, smollm2):

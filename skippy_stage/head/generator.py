@@ -18,7 +18,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import jinja2
 import llama_cpp
 import structlog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -62,6 +64,11 @@ class GenerateSpec:
     stream_interval_ms: float | None = None
     # Record the batch schedule the pipeline runs (``Finish.schedule_json``, for ``skippy-stage replay``).
     record_schedule: bool = False
+    # For a chat template that renders tool calls (the OpenAI API's ``tools``): the chat as whole
+    # message dicts (``tool_calls``, ``tool_call_id``), rendered in place of ``messages``, and the
+    # template's ``tools``.
+    chat_messages: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -83,6 +90,7 @@ class Finish:
     session_id: str
     cached_tokens: int = 0  # prompt tokens whose KV came from a resident prefix
     schedule_json: str = ""  # the recorded schedule (``GenerateSpec.record_schedule``)
+    stop_sequence: str | None = None  # the stop string that ended it (reason "stop"); None: end of generation
 
 
 class StopScanner:
@@ -93,15 +101,17 @@ class StopScanner:
         self.text = ""
         self.released = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest; the first listed at a tie)
 
     def feed(self, new_text: str) -> str:
         self.text += new_text
         # No stop string starts in released text (a prefix of one at the end is held back), so
         # only the rest is searched: a long generation does not rescan its whole text per token.
-        hits = [self.text.find(s, self.released) for s in self.stops]
-        hits = [h for h in hits if h >= 0]
+        hits = [(self.text.find(s, self.released), i) for i, s in enumerate(self.stops)]
+        hits = sorted((h, i) for h, i in hits if h >= 0)
         if hits:
-            end = min(hits)
+            end, first = hits[0]
+            self.matched = self.stops[first]
             self.stopped = True
         else:
             end = len(self.text) - self._held_suffix()
@@ -208,12 +218,14 @@ class Generator:
                 max_queue=cfg.admission_queue, max_queue_wait_s=cfg.admission_wait_s,
                 step_timeout_s=stage.timeouts.step_s, recovery_wait_s=cfg.recovery_wait_s,
                 stream_interval_s=cfg.stream_interval_ms / 1e3, window_depth=cfg.verify_window_depth,
+                prefill_chunks=cfg.prefill_chunks_in_flight,
             ),
             chain_ready=lambda: stage.ready,
             # The previous step's tokens go to their handlers once this step's frame has left.
             step=lambda request, timeout: stage.process(request, timeout, on_sent=self.scheduler.flush_events),
             send=lambda request, timeout: stage.start_step(request, timeout, on_sent=self.scheduler.flush_events),
             drop=lambda session_id: stage.drop_session(session_id, stage.timeouts.drop_s),
+            release=stage.end_sessions,
             is_eog=runtime.tokenizer.is_eog,
             stage_id=cfg.stage_id,
             on_recovery=stage.metrics.session_recoveries.inc,
@@ -272,7 +284,11 @@ class Generator:
             return self.runtime.tokenizer.tokenize(spec.prompt, add_special=True, parse_special=True)
         if self._chat is None:
             raise InvalidRequestError("messages were given but the model has no chat template (tokenizer.chat_template)")
-        rendered = self._chat(messages=[{"role": r, "content": c} for r, c in spec.messages])
+        messages = list(spec.chat_messages) or [{"role": r, "content": c} for r, c in spec.messages]
+        try:
+            rendered = self._chat(messages=messages, tools=list(spec.tools) or None)
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the template's raise_exception, or its own
+            raise InvalidRequestError(f"the model's chat template cannot render these messages: {exc}") from None
         return self.runtime.tokenizer.tokenize(rendered.prompt, add_special=not rendered.added_special, parse_special=True)
 
     def generate(self, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
@@ -418,7 +434,7 @@ class Generator:
             timing.end(completion)
             yield Finish(reason, len(task.prompt), completion, task.session_id, task.cached_tokens,
                          task.schedule.finish(reason, wait_s=self.stage.timeouts.step_s)
-                         if task.schedule is not None else "")
+                         if task.schedule is not None else "", stop_sequence=scanner.matched)
         finally:
             task.cancel()  # the scheduler frees the session on every stage
 

@@ -45,7 +45,7 @@ from skippy_stage.errors import (
     is_prefix_miss,
 )
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.step_plan import chain_window, live_windows, plan_step
+from skippy_stage.head.step_plan import chain_prefill, chain_window, live_windows, plan_step, prefill_ahead
 from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
 from skippy_stage.head.windows import ChainTiming, Window, WindowDepth
 from skippy_stage.model.logprobs import TokenLogprob
@@ -78,6 +78,8 @@ class SchedulerLimits:
     stream_interval_s: float = 0.0
     # Most speculative windows of one session in flight (1: one step at a time; ``windows``).
     window_depth: int = 1
+    # Most chunks of one prompt in flight down the chain (1: one at a time; ``step_plan.chain_prefill``).
+    prefill_chunks: int = 1
 
 
 StepFn = Callable[[Step, float], Outputs]
@@ -88,6 +90,9 @@ StepFn = Callable[[Step, float], Outputs]
 # scheduler must see one, and the handler's bell (``Events.bell``).
 LoneFn = Callable[[Step, float, Callable[..., int], int, object], Outputs]
 DropFn = Callable[[str], None]
+# Sessions to drop and sessions to retire, sent down the chain in band, in order with the frames
+# (``Stage.end_sessions``): it returns once the message has left and never raises.
+ReleaseFn = Callable[[list[str], list[str]], None]
 PrefixEvent = Callable[[str, int], None]  # ("hit", tokens reused) or ("miss", 0)
 IsEog = Callable[[int], bool]
 
@@ -126,10 +131,11 @@ class Scheduler:
                  on_recovery: Callable[[], None] = lambda: None,
                  on_speculation: Callable[[int, int], None] = lambda drafted, accepted: None,
                  on_stale: Callable[[int], None] = lambda rows: None,
-                 lone: LoneFn | None = None, send: SendFn | None = None) -> None:
+                 lone: LoneFn | None = None, send: SendFn | None = None, release: ReleaseFn | None = None) -> None:
         """``retire`` and ``prefixes`` turn the prefix cache on: a finished session is retired on
         every stage (its KV kept under its id) instead of dropped, and a new one starts from the
-        resident prefix sharing most of its prompt."""
+        resident prefix sharing most of its prompt. ``release``: finished sessions end in band
+        (``_free``); ``drop`` and ``retire`` stay the calls for the rest."""
         self.limits = limits
         self._retire = retire
         self.prefixes = prefixes if retire is not None else None
@@ -143,6 +149,7 @@ class Scheduler:
         self._on_stale = on_stale
         self._lone = lone
         self._drop = drop
+        self._release = release
         self._is_eog = is_eog
         self.log = log.bind(stage_id=stage_id)
         self._cond = threading.Condition()
@@ -279,9 +286,10 @@ class Scheduler:
                 if task.schedule is not None:
                     task.schedule.settle()
             # Free finished sessions on every stage *before* their lanes count as free here:
-            # otherwise another worker admits a session into a lane a stage still holds.
-            for task in finished:
-                self._free(task)
+            # otherwise another worker admits a session into a lane a stage still holds (in band,
+            # the release is ahead of any frame that could).
+            if finished:
+                self._free(finished)
             with self._cond:
                 for task in finished:
                     self._release_locked(group, task)
@@ -322,30 +330,53 @@ class Scheduler:
         deadline = self._waiting[0].enqueued_at + self.limits.max_queue_wait_s
         return min(IDLE_RECHECK_S, max(0.001, deadline - time.monotonic()))
 
-    def _free(self, task: Task) -> None:
-        """Retire a cleanly finished session (its KV stays resident on every stage, its tokens
-        here), or drop it; then drop the prefixes the cache let go of."""
+    def _free(self, finished: list[Task]) -> None:
+        """End finished sessions on every stage: each one retired (its KV stays resident on every
+        stage as a prefix, its tokens here) or dropped, and the prefixes the cache let go of dropped.
+        With ``release``, in band: one message down the chain that every later frame follows, so
+        nothing waits for a round trip (over real links a chain's; 16 sessions one after the
+        other cost 16 of them before). Else one call down the chain per session."""
+        dropped: list[str] = []
+        retired: list[str] = []
+        if self._release is not None:
+            # A failed session's state is uncertain (the head may no longer hold what a stage
+            # below does, and the in-band release passes on only what each stage held): by call.
+            for task in finished:
+                if not task.failed:
+                    self._ending(task, dropped, retired)
+            if dropped or retired:
+                self._release(dropped, retired)
+            dropped, retired = [], []
+            finished = [task for task in finished if task.failed]
+        for task in finished:
+            self._ending(task, dropped, retired)
+        for session_id in retired:
+            try:
+                self._retire(session_id)
+            except SkippyError as exc:
+                self.log.info("session retire incomplete", session_id=session_id, error=str(exc))
+                self._drop_quietly(session_id)
+                self.prefixes.forget(session_id)
+        for session_id in dropped:
+            self._drop_quietly(session_id)
+
+    def _ending(self, task: Task, dropped: list[str], retired: list[str]) -> None:
+        """What ending ``task`` releases: its session, retired as a prefix (the cache then lets go of
+        some, dropped) or dropped; a prefix it claimed but never carried down, dropped."""
         if task.prefix_id is not None:  # claimed but never carried down: no session holds it yet
-            self._drop_quietly(task.prefix_id)
+            dropped.extend((task.prefix_id, task.session_id))
             task.prefix_id = None
-            self._drop_quietly(task.session_id)
             return
         # What the stages hold: the part of the prompt (or replay) prefilled so far, or, once it all
         # was, every token fed since.
         feed = task.to_feed
         fed = list(feed[: task.prefilled]) if task.prefilled < len(feed) or not task.history else task.history
         if self._retire is not None and self.prefixes is not None and not task.failed and fed \
-                and task.recovering is None and task.prefix_id is None:
-            try:
-                self._retire(task.session_id)
-            except SkippyError as exc:
-                self.log.info("session retire incomplete", session_id=task.session_id, error=str(exc))
-                self._drop_quietly(task.session_id)
-                return
-            for evicted in self.prefixes.add(task.session_id, fed):
-                self._drop_quietly(evicted)
+                and task.recovering is None:
+            retired.append(task.session_id)
+            dropped.extend(self.prefixes.add(task.session_id, fed))
             return
-        self._drop_quietly(task.session_id)
+        dropped.append(task.session_id)
 
     def _drop_quietly(self, session_id: str) -> None:
         try:
@@ -489,19 +520,25 @@ class Scheduler:
     # -- speculative windows in flight (``windows``) ------------------------------------
 
     def _windowed(self, batch: list[Task]) -> bool:
-        """Whether ``batch`` runs with windows in flight: a session of it speculates, the head can
-        send a step without waiting for it (``send``), depth may exceed one, and no session needs
-        steps of its own (forks holding for their source)."""
-        return (self._send is not None and self.limits.window_depth > 1 and any(t.drafter is not None for t in batch)
+        """Whether ``batch`` runs with steps in flight: the head can send a step without waiting for
+        it (``send``), a session of it speculates (and depth may exceed one) or has a prompt chunk to
+        send before those in flight come back (``prefill_ahead``), and no session needs steps of
+        its own (forks holding for their source)."""
+        limits = self.limits
+        return (self._send is not None
+                and ((limits.window_depth > 1 and any(t.drafter is not None for t in batch))
+                     or any(prefill_ahead(t, n_ubatch=limits.n_ubatch, chunks=limits.prefill_chunks) for t in batch))
                 and not any(t.forks or t.fork_from is not None or t.hold_at is not None for t in batch))
 
     def _run_windows(self, batch: list[Task]) -> None:
-        """``batch``'s steps with speculative windows in flight: send whatever can go — the next entry
-        of every session with nothing live in flight (``plan_step``: a rewind to where it really is,
-        after a cut-short window) and a window chained behind each speculating session's live ones
-        within its depth (``chain_window``) — then take the oldest step's outputs; until the group
-        must change (a session ended or waits to recover, or another waits for a lane) and nothing is
-        in flight. Outputs come back in the order the steps left: the frames of an edge keep it."""
+        """``batch``'s steps with windows in flight: send whatever can go — the next entry of every
+        session with nothing live in flight (``plan_step``: a rewind to where it really is, after a
+        cut-short window), the next chunk of each prompt behind its chunks in flight
+        (``chain_prefill``) and a window chained behind each speculating session's live ones within
+        its depth (``chain_window``) — then take the oldest step's outputs; until the group must
+        change (a session ended or waits to recover, another waits for a lane, or nothing needs
+        steps in flight any more) and nothing is in flight. Outputs come back in the order the steps
+        left: the frames of an edge keep it."""
         self._recover(batch)
         waiting = {id(t) for t in batch if t.recovering is not None}  # for the chain: the others go on
         for task in batch:
@@ -525,9 +562,12 @@ class Scheduler:
     def _must_regroup(self, batch: list[Task], waiting: set[int]) -> bool:
         """Stop sending: a session of the group ended, or its step failed and it must recover (its
         lane is freed, or its session replaced, only with nothing in flight; ``waiting``: those that
-        already wait for the chain to come back), a session waits for a lane this group could take,
-        or the head closes."""
+        already wait for the chain to come back), nothing needs steps in flight any more (a prompt's
+        chunks all sent, and nobody speculates: the next step may be a lone run), a session waits
+        for a lane this group could take, or the head closes."""
         if any(t.cancelled or (t.recovering is not None and id(t) not in waiting) for t in batch):
+            return True
+        if not self._windowed(batch):
             return True
         with self._cond:
             free = self.limits.lane_count - sum(len(g) for g in self._groups)
@@ -547,6 +587,19 @@ class Scheduler:
         outputs = sum(len(e.positions) if e.verify or e.all_rows or e.prompt_logprobs is not None
                       else int(e.sample_last) for e in entries)
         planned = {id(t) for t, _ in plan}
+        for task in batch:
+            if id(task) in planned:
+                continue
+            chunk = chain_prefill(task, room=self.limits.n_batch - rows, outputs=self.limits.n_ubatch - outputs,
+                                  n_ubatch=self.limits.n_ubatch, chunks=self.limits.prefill_chunks)
+            if chunk is not None:
+                entry, window = chunk
+                entries.append(entry)
+                plan.append((task, window.n_prefill))
+                windows.append(window)
+                planned.add(id(task))
+                rows += len(window.tokens)
+                outputs += len(window.tokens) if entry.all_rows else int(window.samples)
         for task in batch:
             room = min(self.limits.n_batch - rows, self.limits.n_ubatch - outputs)
             if room <= 0:
@@ -595,13 +648,14 @@ class Scheduler:
                 self._step_failed(exc, sent.request_id, failing, sent.recorded)
             return
         arrived = sent.flight.returned_at or time.perf_counter()
-        self.timing.trip(arrived - sent.flight.sent_at)
-        for task, _ in sent.plan:
-            if task.arrived_at is not None and task.arrived_at > sent.flight.sent_at:
-                self.timing.gap(arrived - task.arrived_at)  # both were in flight: what one more costs
-                break
-        else:
-            self.timing.relax()
+        if any(w.decode for w in sent.windows):  # (what a window costs, not a prompt's chunk)
+            self.timing.trip(arrived - sent.flight.sent_at)
+            for task, _ in sent.plan:
+                if task.arrived_at is not None and task.arrived_at > sent.flight.sent_at:
+                    self.timing.gap(arrived - task.arrived_at)  # both were in flight: what one more costs
+                    break
+            else:
+                self.timing.relax()
         for task, _ in sent.plan:
             task.arrived_at = arrived
         self._take_outputs(response, sent.plan, sent.recorded, sent.windows)

@@ -41,10 +41,7 @@ def plan_step(batch: list[Task], *, n_batch: int, n_ubatch: int,
         feed = task.to_feed
         hold = _hold(task)
         remaining = (len(feed) if hold is None else hold) - task.prefilled
-        # a reference computing logits for every row (speculation, logprobs) has these shapes; so
-        # do the prompt's chunks when its logprobs are asked
-        every_row = task.drafter is not None or task.top_logprobs is not None \
-            or (task.prompt_logprobs is not None and task.prefilled < len(task.prompt))
+        every_row = _every_row(task, task.prefilled)
         if task.recovering is not None or budget <= 0 or outputs <= 0:
             continue
         if hold is not None and remaining == 0:
@@ -62,20 +59,75 @@ def plan_step(batch: list[Task], *, n_batch: int, n_ubatch: int,
             # rebuilt in one big batch could steer a greedy text elsewhere. The prompt goes in
             # chunks as before, each generated token in a step of its own.
             n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
-        # After a recovery the next input token is already known: do not sample again.
-        last = start + n == len(feed) and task.last_token is None
-        in_prompt = task.prompt_logprobs is not None and start < len(task.prompt)
-        entries.append(StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
-                                 positions=range(start, start + n), token_ids=feed[start : start + n],
-                                 sample_last=last, sampling=task.sampling, prefix_id=task.prefix_id,
-                                 top_logprobs=task.top_logprobs if last else None,
-                                 all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
-                                 next_token=feed[start + n] if in_prompt and start + n < len(task.prompt)
-                                 else None, draws_before=task.samples if last else 0))
+        entry = _prefill_entry(task, start, n, every_row=every_row, prefix_id=task.prefix_id)
+        entries.append(entry)
         plan.append((task, n))
         budget -= n
-        outputs -= n if every_row else int(last)
+        outputs -= n if every_row else int(entry.sample_last)
     return entries, plan
+
+
+def _every_row(task: Task, start: int) -> bool:
+    """Whether a prefill chunk of ``task`` from ``start`` computes logits for every row: a reference
+    computing logits for every row (speculation, logprobs) has these shapes; so do the prompt's
+    chunks when its logprobs are asked."""
+    return task.drafter is not None or task.top_logprobs is not None \
+        or (task.prompt_logprobs is not None and start < len(task.prompt))
+
+
+def _prefill_entry(task: Task, start: int, n: int, *, every_row: bool, prefix_id: str | None) -> StepEntry:
+    """The entry feeding ``task``'s ``to_feed[start:start + n]``; it samples when it is the last."""
+    feed = task.to_feed
+    # After a recovery the next input token is already known: do not sample again.
+    last = start + n == len(feed) and task.last_token is None
+    in_prompt = task.prompt_logprobs is not None and start < len(task.prompt)
+    return StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
+                     positions=range(start, start + n), token_ids=feed[start : start + n],
+                     sample_last=last, sampling=task.sampling, prefix_id=prefix_id,
+                     top_logprobs=task.top_logprobs if last else None,
+                     all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
+                     next_token=feed[start + n] if in_prompt and start + n < len(task.prompt) else None,
+                     draws_before=task.samples if last else 0)
+
+
+def prefill_ahead(task: Task, *, n_ubatch: int, chunks: int) -> bool:
+    """Whether ``task``'s prompt has a chunk to send before those in flight come back: more than one
+    chunk of it is still to be fed when none is in flight, or its chunks in flight (fewer than
+    ``chunks``) are all prompt that samples nothing and more of the prompt follows them. Not for a
+    recovery's replay (its steps keep their first shapes) or a prompt that waits for its forks."""
+    if chunks < 2 or task.replay is not None or task.hold_at is not None or task.cancelled \
+            or task.recovering is not None or task.last_token is not None:
+        return False
+    windows = live_windows(task)
+    if not windows:
+        return len(task.to_feed) - task.prefilled > n_ubatch
+    # A chunk that names a resident prefix may be refused for it (the prefix was evicted): the
+    # prompt then starts over, so nothing follows it until it came back.
+    if task.prefix_id is not None or len(windows) >= chunks or any(w.decode or w.samples for w in windows):
+        return False
+    last = windows[-1]
+    return last.start + len(last.tokens) < len(task.to_feed)
+
+
+def chain_prefill(task: Task, *, room: int, outputs: int, n_ubatch: int,
+                  chunks: int) -> tuple[StepEntry, Window] | None:
+    """The next chunk of ``task``'s prompt, sent behind its chunks in flight (``prefill_ahead``): the
+    chunk the head would send once they came back, so the batches are those of one chunk at a time
+    while the stages work on several (stage 0 computes chunk 2 while chunk 1 crosses the link).
+    None when there is none to send or no room in this step."""
+    if not live_windows(task) or not prefill_ahead(task, n_ubatch=n_ubatch, chunks=chunks):
+        return None
+    last = live_windows(task)[-1]
+    start = last.start + len(last.tokens)
+    every_row = _every_row(task, start)
+    n = min(len(task.to_feed) - start, n_ubatch, room, outputs if every_row else room)
+    if n <= 0:
+        return None
+    entry = _prefill_entry(task, start, n, every_row=every_row, prefix_id=None)
+    if entry.sample_last and not every_row and outputs < 1:
+        return None
+    return entry, Window(start=start, tokens=[int(t) for t in entry.token_ids], n_prefill=n, drafted=0,
+                         samples=entry.sample_last)
 
 
 def _source(task: Task) -> Task | None:

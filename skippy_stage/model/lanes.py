@@ -373,15 +373,27 @@ class LaneTable:
             raise UnknownSessionError(f"session_id={session_id!r} is not bound to a lane on this stage")
         return self._reset_and_place(unbound)
 
-    def drop_owned(self, session_id: str, owner: SessionOwner | None) -> DropResult | None:
-        """Free a live session if ``owner`` still owns it (None: if nobody does); None (nothing
-        done) otherwise."""
+    def drop_owned(self, session_id: str, owner: SessionOwner | None, *, residents: bool = False) -> DropResult | None:
+        """Free a live session if ``owner`` still owns it (None: if nobody does), or with
+        ``residents`` and no live session of that id a resident prefix of it (the stage's, whoever
+        opened it); None (nothing done) otherwise."""
         with self._lock:
             s = self._sessions.get(session_id)
-            if s is None or s.owner is not owner:
+            if s is None:
+                s = self._resident.pop(session_id, None) if residents else None
+                if s is None:
+                    return None
+            elif s.owner is not owner:
                 return None
-            del self._sessions[session_id]
+            else:
+                del self._sessions[session_id]
         return self._reset_and_place(s)
+
+    def owns(self, session_id: str, owner: SessionOwner | None) -> bool:
+        """Whether a live session of that id is bound and ``owner``'s (None: nobody's)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return s is not None and s.owner is owner
 
     def disown(self, session_id: str, owner: SessionOwner) -> bool:
         """Let a live session go from ``owner`` without ending it (it moved above that connection);

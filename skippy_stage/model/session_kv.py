@@ -186,14 +186,17 @@ class SessionKv:
         """End a session, keeping its KV as a resident prefix a later session may take (a plain
         drop for models that keep none, or when ``cache_idle_slots`` is 0)."""
         with self._compute:
-            result = self.lanes.retire(session_id)
-            history = self._history.pop(session_id, None)
-            self._forget(session_id)
-            resident = self.lanes.resident_prefixes()
-            if session_id in resident and history is not None:
-                self._resident_history[session_id] = history
-            for gone in set(self._resident_history) - resident:
-                del self._resident_history[gone]
+            return self._retire_locked(session_id)
+
+    def _retire_locked(self, session_id: str) -> DropResult:
+        result = self.lanes.retire(session_id)
+        history = self._history.pop(session_id, None)
+        self._forget(session_id)
+        resident = self.lanes.resident_prefixes()
+        if session_id in resident and history is not None:
+            self._resident_history[session_id] = history
+        for gone in set(self._resident_history) - resident:
+            del self._resident_history[gone]
         self.log.info("session retired", session_id=session_id, lane=result.lane, tokens=result.n_tokens,
                       resident=session_id in resident)
         return result
@@ -221,18 +224,34 @@ class SessionKv:
                       reset_ms=round(result.reset_seconds * 1e3, 3), discarded=result.discarded)
         return result
 
-    def drop_owned(self, session_ids: Sequence[str], owner: SessionOwner | None) -> list[str]:
-        """Free those of ``session_ids`` that ``owner`` still owns (its connection closed); the
-        ones freed."""
+    def retire_owned(self, session_ids: Sequence[str], owner: SessionOwner | None) -> list[str]:
+        """Retire (``retire_session``) those of ``session_ids`` that ``owner`` still owns; the ones
+        retired. Under the compute lock throughout, so none changes hands between the check and
+        the retirement."""
+        retired = []
+        with self._compute:
+            if getattr(self, "_ctx", None) is None:
+                return retired
+            for session_id in session_ids:
+                if self.lanes.owns(session_id, owner):
+                    self._retire_locked(session_id)
+                    retired.append(session_id)
+        return retired
+
+    def drop_owned(self, session_ids: Sequence[str], owner: SessionOwner | None, *,
+                   residents: bool = False) -> list[str]:
+        """Free those of ``session_ids`` that ``owner`` still owns (its connection closed, or it let
+        them go in band), and with ``residents`` resident prefixes of those ids; the ones freed."""
         freed = []
         with self._compute:
             if getattr(self, "_ctx", None) is None:
                 return freed  # closed: nothing is held any more
             for session_id in session_ids:
-                result = self.lanes.drop_owned(session_id, owner)
+                result = self.lanes.drop_owned(session_id, owner, residents=residents)
                 if result is not None:
                     self._forget(session_id)
+                    self._resident_history.pop(session_id, None)
                     freed.append(session_id)
         if freed:
-            self.log.info("sessions of a closed connection freed", sessions=len(freed), session_ids=freed[:16])
+            self.log.info("sessions released from above freed", sessions=len(freed), session_ids=freed[:16])
         return freed

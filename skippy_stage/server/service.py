@@ -212,8 +212,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                          stage_id=self.stage.config.stage_id))
                         continue
                     if drops is not None:
-                        self.stage.release_sessions(drops[0], peer)
-                        self.stage.disown_sessions(drops[1], peer)
+                        self.stage.take_release(drops, peer)
                         continue
                     if hop.relay:
                         with lock:

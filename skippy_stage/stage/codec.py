@@ -9,6 +9,7 @@ can get wrong is refused by the domain checks (``steps.runtime_entries``,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -281,24 +282,35 @@ def frame_from_pb(msg: pb.HopRequest) -> Frame:
                  sent_unix_ns=msg.sent_unix_ns)
 
 
-def released_from_pb(msg: pb.HopRequest) -> tuple[list[str], list[str]] | None:
-    """The sessions a release message names: (dropped, moved), from ``drop_session_ids`` and
-    ``moved_session_ids``; None for a frame. InvalidRequestError for one that also carries a
+@dataclass(frozen=True)
+class Released:
+    """What a release message names (``HopRequest`` without a request): sessions to drop, sessions
+    that moved above the edge, and sessions to end but keep as resident prefixes."""
+
+    dropped: list[str]
+    moved: list[str]
+    retired: list[str]
+
+
+def released_from_pb(msg: pb.HopRequest) -> Released | None:
+    """The sessions a release message names (``drop_session_ids``, ``moved_session_ids``,
+    ``retire_session_ids``); None for a frame. InvalidRequestError for one that also carries a
     request, or names more sessions than a stage has lanes or ids no lane could hold."""
-    if not msg.drop_session_ids and not msg.moved_session_ids:
+    if not msg.drop_session_ids and not msg.moved_session_ids and not msg.retire_session_ids:
         return None
-    dropped, moved = list(msg.drop_session_ids), list(msg.moved_session_ids)
+    released = Released(list(msg.drop_session_ids), list(msg.moved_session_ids), list(msg.retire_session_ids))
     if msg.HasField("request"):
-        raise InvalidRequestError("a HopRequest with drop_session_ids or moved_session_ids carries no request "
-                                  "(drops travel alone)")
-    for name, ids in (("drop_session_ids", dropped), ("moved_session_ids", moved)):
+        raise InvalidRequestError("a HopRequest with drop_session_ids, moved_session_ids or retire_session_ids "
+                                  "carries no request (releases travel alone)")
+    for name, ids in (("drop_session_ids", released.dropped), ("moved_session_ids", released.moved),
+                      ("retire_session_ids", released.retired)):
         if len(ids) > MAX_LANES:
             raise InvalidRequestError(f"{name} names {len(ids)} sessions; a stage has at most {MAX_LANES}")
         for i, session_id in enumerate(ids):
             if not session_id or len(session_id) > MAX_SESSION_ID_LEN:
                 raise InvalidRequestError(f"{name}[{i}] must be 1..{MAX_SESSION_ID_LEN} characters, "
                                           f"got {len(session_id)}")
-    return dropped, moved
+    return released
 
 
 def frame_to_pb(frame: Frame) -> pb.HopRequest:

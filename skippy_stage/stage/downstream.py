@@ -107,9 +107,10 @@ class DownstreamClient:
         """Hand one frame to the hop; DownstreamError when the link cannot be had."""
         self.hop.send(hops.stamp(frame))
 
-    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
-        """Drop (or, ``moved``, let go of) sessions this edge opened below, in band (``Hop.release``)."""
-        self.hop.release(session_ids, moved=moved)
+    def release(self, session_ids: list[str], *, moved: bool = False, retired: bool = False) -> None:
+        """Drop (or, ``moved``, let go of; ``retired``, keep as prefixes) sessions this edge opened below, in
+        band (``Hop.release``)."""
+        self.hop.release(session_ids, moved=moved, retired=retired)
 
     def frame_port(self, timeout_s: float) -> int:
         """The downstream's TCP frame listener, as it advertises it (asked on every new link)."""
@@ -260,8 +261,8 @@ class LocalDownstream:
     def send(self, frame: Frame) -> None:
         self.hop.send(hops.stamp(frame))
 
-    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
-        self.hop.release(session_ids, moved=moved)
+    def release(self, session_ids: list[str], *, moved: bool = False, retired: bool = False) -> None:
+        self.hop.release(session_ids, moved=moved, retired=retired)
 
     def reply_error(self, reply: Reply) -> DownstreamError:
         return reply_error(self.peer, reply)

@@ -48,10 +48,11 @@ class Hop(Protocol):
     def send(self, frame: Frame) -> None:
         """Hand the frame to the transport; DownstreamError (UNAVAILABLE) when the link cannot be had."""
 
-    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+    def release(self, session_ids: list[str], *, moved: bool = False, retired: bool = False) -> None:
         """Drop sessions this edge opened below, in order with the frames sent before (a
         ``HopRequest.drop_session_ids``), or with ``moved`` let go of them without ending them
-        (``moved_session_ids``: a stand-in's edge feeds them now); nothing when no link is up (a
+        (``moved_session_ids``: a stand-in's edge feeds them now), or with ``retired`` end them but
+        keep their KV as resident prefixes (``retire_session_ids``); nothing when no link is up (a
         link's end frees its sessions below by itself). Never raises."""
 
     def close(self) -> None: ...
@@ -127,12 +128,12 @@ class TcpHop:
         except framing.LinkClosed as exc:
             raise self.broke(link, str(exc)) from None
 
-    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+    def release(self, session_ids: list[str], *, moved: bool = False, retired: bool = False) -> None:
         link = self._link
         if link is None:
             return
         try:
-            link.send(framing.Kind.HOP_REQUEST, _release(session_ids, moved))
+            link.send(framing.Kind.HOP_REQUEST, _release(session_ids, moved, retired))
         except framing.LinkClosed as exc:
             self._broke(link, str(exc))
 
@@ -212,10 +213,10 @@ class StreamHop:
     def send(self, frame: Frame) -> None:
         self._open().put(codec.frame_to_pb(frame))
 
-    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
+    def release(self, session_ids: list[str], *, moved: bool = False, retired: bool = False) -> None:
         outbox = self._outbox
         if outbox is not None:
-            outbox.put(_release(session_ids, moved))
+            outbox.put(_release(session_ids, moved, retired))
 
     def _read(self, call, outbox: queue.SimpleQueue) -> None:
         try:
@@ -255,15 +256,19 @@ class LocalHop:
             raise DownstreamError(f"stage {self.peer.stage_id} is not loaded", stage_id=self.peer.stage_id)
         self.target.accept_frame(frame, self._on_reply)
 
-    def release(self, session_ids: list[str], *, moved: bool = False) -> None:
-        if not moved:  # frames from here open unowned sessions, which nothing needs to let go of
+    def release(self, session_ids: list[str], *, moved: bool = False, retired: bool = False) -> None:
+        if retired:
+            self.target.retire_sessions(session_ids, None)
+        elif not moved:  # frames from here open unowned sessions, which nothing needs to let go of
             self.target.release_sessions(session_ids, None)
 
     def close(self) -> None:
         self.target.inbound.discard(self._on_reply)
 
 
-def _release(session_ids: list[str], moved: bool) -> pb.HopRequest:
+def _release(session_ids: list[str], moved: bool, retired: bool) -> pb.HopRequest:
+    if retired:
+        return pb.HopRequest(retire_session_ids=session_ids)
     return pb.HopRequest(moved_session_ids=session_ids) if moved else pb.HopRequest(drop_session_ids=session_ids)
 
 

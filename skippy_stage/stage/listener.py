@@ -203,8 +203,7 @@ class FrameListener:
                     stage.accept_frames(frames, sink)
                     tracing.mark("done")
                 if drops is not None:
-                    stage.release_sessions(drops[0], sink)
-                    stage.disown_sessions(drops[1], sink)
+                    stage.take_release(drops, sink)
         finally:
             stage.inbound.discard(sink)
             stage.peer_closed(sink)

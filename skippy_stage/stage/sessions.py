@@ -17,6 +17,7 @@ import time
 from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
 from skippy_stage.errors import DownstreamError, InvalidRequestError, SkippyError, UnknownSessionError
 from skippy_stage.model.runtime import KvPage
+from skippy_stage.stage.codec import Released
 from skippy_stage.stage.downstream import DownstreamClient, LocalDownstream, timeout_for
 from skippy_stage.stage.gate import EdgeGate
 from skippy_stage.stage.lifecycle import Lifecycle, StageState
@@ -90,15 +91,45 @@ class SessionCalls(Lifecycle):
     def release_sessions(self, session_ids: list[str], owner: Peer | None) -> None:
         """Free those of ``session_ids`` that ``owner``'s connection owns here, and send their drop
         down this stage's edge in order with the frames already sent on it (``LocalHop``'s sessions
-        have no owner: ``owner`` None frees the unowned ones). Never raises."""
+        and the head's have no owner: ``owner`` None frees the unowned ones). The chain's own edge
+        (and the head, ``owner`` None) frees resident prefixes of those ids too: a prefix is the
+        stage's, and only the chain that left it there may end it this way. Never raises."""
         runtime = self.runtime
         if runtime is None or not session_ids or self.state is StageState.STOPPED:
             return
         with self.gate.passing():  # a hand-off must not move a session this frees below
-            freed = runtime.drop_owned(session_ids, owner)
+            freed = runtime.drop_owned(session_ids, owner, residents=owner is None or owner.chain)
             downstream = self.downstream
             if freed and downstream is not None:
                 downstream.release(freed)
+
+    def retire_sessions(self, session_ids: list[str], owner: Peer | None) -> None:
+        """End those of ``session_ids`` that ``owner``'s connection owns here but keep each one's KV
+        as a resident prefix (``retire_session``), and send their retirement down this stage's edge
+        in order with the frames already sent on it (the head's finished sessions, when it keeps
+        prefixes; ``owner`` None: the unowned ones). Never raises."""
+        runtime = self.runtime
+        if runtime is None or not session_ids or self.state is StageState.STOPPED:
+            return
+        with self.gate.passing():
+            retired = runtime.retire_owned(session_ids, owner)
+            downstream = self.downstream
+            if retired and downstream is not None:
+                downstream.release(retired, retired=True)
+
+    def end_sessions(self, dropped: list[str], retired: list[str]) -> None:
+        """The head ends sessions it opened: ``dropped`` freed (resident prefixes of those ids too),
+        ``retired`` kept as resident prefixes, here and, in band, on every stage below — a frame
+        sent after this returns finds them gone, so nothing waits for a round trip. Never raises."""
+        self.release_sessions(dropped, None)
+        self.retire_sessions(retired, None)
+
+    def take_release(self, released: Released, owner: Peer | None) -> None:
+        """A release message from the edge above (``owner``'s): its drops, then its retirements, then
+        the sessions that moved above it. Never raises."""
+        self.release_sessions(released.dropped, owner)
+        self.retire_sessions(released.retired, owner)
+        self.disown_sessions(released.moved, owner)
 
     def disown_sessions(self, session_ids: list[str], owner: Peer | None) -> None:
         """The stage above let these sessions go to a stand-in: they stay bound here, no longer

@@ -193,7 +193,7 @@ class ReturnAck(_message.Message):
     def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
 class HopRequest(_message.Message):
-    __slots__ = ("hop_id", "request", "timeout_s", "relay", "sent_unix_ns", "drop_session_ids", "moved_session_ids")
+    __slots__ = ("hop_id", "request", "timeout_s", "relay", "sent_unix_ns", "drop_session_ids", "moved_session_ids", "retire_session_ids")
     HOP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class HopRequest(_message.Message):
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     DROP_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     MOVED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETIRE_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     hop_id: int
     request: IterationBatchRequest
     timeout_s: float
@@ -208,7 +209,8 @@ class HopRequest(_message.Message):
     sent_unix_ns: int
     drop_session_ids: _containers.RepeatedScalarFieldContainer[str]
     moved_session_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hop_id: _Optional[int] = ..., request: _Optional[_Union[IterationBatchRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., relay: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ..., drop_session_ids: _Optional[_Iterable[str]] = ..., moved_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    retire_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hop_id: _Optional[int] = ..., request: _Optional[_Union[IterationBatchRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., relay: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ..., drop_session_ids: _Optional[_Iterable[str]] = ..., moved_session_ids: _Optional[_Iterable[str]] = ..., retire_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HopReply(_message.Message):
     __slots__ = ("hop_id", "response", "code", "message", "failed_stage", "return_key", "session_ids")

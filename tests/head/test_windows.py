@@ -81,6 +81,7 @@ class OrderedChain:
         self.drops: list[tuple[str, int]] = []  # (session, frames in flight when it was dropped)
         self.in_flight = 0
         self.max_in_flight = 0
+        self.in_flight_at_send: list[int] = []  # per step sent, how many others were in flight
         self.stale_windows = 0
         self._lock = threading.Lock()
 
@@ -88,6 +89,7 @@ class OrderedChain:
         flight = _Flight()
         with self._lock:
             self.sent.append(step)
+            self.in_flight_at_send.append(self.in_flight)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
@@ -316,3 +318,62 @@ def test_a_gap_measured_in_a_busy_moment_relaxes_until_windows_overlap_again():
     for _ in range(40):
         timing.relax()
     assert depth.depth() > 1
+
+
+# -- a long prompt's chunks in flight ------------------------------------------------------------
+
+def prefill_run(chain: OrderedChain, prompt: list[int], *, chunks: int, max_tokens: int = 8,
+                speculate: bool = False) -> list[int]:
+    scheduler = Scheduler(SchedulerLimits(lane_count=2, kv_pool_tokens=4096, max_context=1024, n_batch=64,
+                                          n_ubatch=64, window_depth=4, prefill_chunks=chunks),
+                          step=chain.step, send=chain.send, drop=chain.drop, is_eog=lambda t: t == EOG)
+    try:
+        task = Task(session_id="s", prompt=prompt, sampling=SamplingParams(), max_tokens=max_tokens)
+        if speculate:
+            task.drafter, task.draft_budget = guessing_drafter(set()), DraftBudget(4, adaptive=False)
+        scheduler.submit(task)
+        return collect(task)
+    finally:
+        scheduler.close()
+
+
+LONG = [10 + i % 37 for i in range(64 * 4 + 9)]  # 5 chunks of n_ubatch=64, the last of 9
+
+
+def chunk_starts(chain: OrderedChain) -> list[tuple[int, int]]:
+    return [(int(e.positions[0]), len(e.positions)) for s in chain.sent for e in s.entries if e.phase == "prefill"]
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_long_prompts_chunks_leave_before_the_first_came_back_as_the_same_batches(speculate):
+    alone = OrderedChain(latency_s=0.02)
+    assert prefill_run(alone, LONG, chunks=1, speculate=speculate) == greedy(LONG, 8)
+    assert alone.max_in_flight == 1 or speculate  # (speculation keeps windows in flight after the prompt)
+    chain = OrderedChain(latency_s=0.02)
+    assert prefill_run(chain, LONG, chunks=4, speculate=speculate) == greedy(LONG, 8)
+    assert chain.max_in_flight == 4  # at most prefill_chunks of the prompt at once
+    # the chunks are those of one at a time, each in a step of its own, the last one sampling
+    assert chunk_starts(chain) == chunk_starts(alone) == [(0, 64), (64, 64), (128, 64), (192, 64), (256, 9)]
+    prefill = [e for s in chain.sent for e in s.entries if e.phase == "prefill"]
+    assert [e.sample_last for e in prefill] == [False] * 4 + [True]
+
+
+def test_a_prompt_of_one_chunk_and_the_decode_after_a_long_one_run_one_step_at_a_time():
+    chain = OrderedChain(latency_s=0.01)
+    assert prefill_run(chain, PROMPT, chunks=4, max_tokens=12) == greedy(PROMPT, 12)
+    assert chain.max_in_flight == 1
+    chain = OrderedChain(latency_s=0.01)
+    assert prefill_run(chain, LONG, chunks=4, max_tokens=12) == greedy(LONG, 12)
+    decode = [i for i, s in enumerate(chain.sent) if s.entries[0].phase != "prefill"]
+    assert len(decode) == 11  # one step per token after the prompt's, each alone in flight
+    assert [chain.in_flight_at_send[i] for i in decode] == [0] * 11
+
+
+def test_a_chunk_in_flight_that_fails_fails_the_generation_and_nothing_behind_it_counts():
+    def fail(step: Step) -> Exception | None:
+        if any(int(e.positions[0]) == 128 for e in step.entries):
+            return DownstreamError("stage-2 refused the frame", stage_id="stage-2", code_name="INTERNAL")
+        return None
+    chain = OrderedChain(latency_s=0.02, fail=fail)
+    with pytest.raises(DownstreamError, match="refused"):
+        prefill_run(chain, LONG, chunks=4)

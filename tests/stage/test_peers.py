@@ -169,7 +169,7 @@ def test_a_bad_drop_message_is_answered_by_name_and_the_link_stays_usable(pipeli
         link.send(framing.Kind.HOP_REQUEST, pb.HopRequest(hop_id=3, drop_session_ids=["x"], request=frame("y", 0).request))
         kind, body = link.receive()
         answer = framing.parse(kind, body, framing.Kind.HOP_REPLY)
-        assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "drops travel alone" in answer.message
+        assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "releases travel alone" in answer.message
         link.send(framing.Kind.HOP_REQUEST, pb.HopRequest(drop_session_ids=["not-mine"]))  # nothing of its own: no-op
         [opened] = open_sessions(link, ["mine"])
         assert opened.code == 0
@@ -177,6 +177,28 @@ def test_a_bad_drop_message_is_answered_by_name_and_the_link_stays_usable(pipeli
         assert wait_no_active_sessions(pipeline.configs, within_s=1.0) == [0, 0, 0]
     finally:
         link.close()
+
+
+def resident_ids(pipeline, index: int) -> set[str]:
+    return {p.prefix_id for p in stub(pipeline, index).GetStatus(pb.GetStatusRequest(), timeout=5).resident_prefixes}
+
+
+def test_a_stranger_cannot_end_the_chains_resident_prefixes_in_band(pipeline):
+    """The head's finished sessions stay on every stage as resident prefixes; a connection that is not
+    the chain naming them in a drop or a retirement changes nothing (they are not its sessions)."""
+    grpc_generate(pipeline.head_endpoint, PROMPT, 4)
+    resident = resident_ids(pipeline, 1)
+    assert resident and resident == resident_ids(pipeline, 2)
+    link = dial_middle(pipeline, "stranger")
+    try:
+        link.send(framing.Kind.HOP_REQUEST, pb.HopRequest(drop_session_ids=sorted(resident)))
+        link.send(framing.Kind.HOP_REQUEST, pb.HopRequest(retire_session_ids=sorted(resident)))
+        [opened] = open_sessions(link, ["after"])  # the link took both before this frame
+        assert opened.code == 0
+    finally:
+        link.close()
+    assert wait_no_active_sessions(pipeline.configs, within_s=5.0) == [0, 0, 0]
+    assert resident_ids(pipeline, 1) >= resident and resident_ids(pipeline, 2) >= resident
 
 
 # -- protected mode ----------------------------------------------------------------------------
