@@ -31,12 +31,15 @@ class Tokenizer:
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
 
-    def token_bytes(self, token: int) -> bytes:
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The token's text as bytes (maybe part of a character); ``special``: control tokens as their
+        text (``<|im_end|>``) rather than nothing. ``token`` must be in [0, n_vocab): llama.cpp does
+        not check it."""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def metadata(self, key: str) -> str | None:

@@ -22,8 +22,15 @@ def test_the_first_stop_string_ends_the_text_before_it():
     scanner = StopScanner(("END", "\n\n"))
     assert scanner.feed("one\n") == "one"
     assert scanner.feed("\ntwo END") == ""
-    assert scanner.stopped
+    assert scanner.stopped and scanner.matched == "\n\n"
     assert scanner.text.startswith("one\n\n")  # what was generated, not what was released
+
+
+def test_the_stop_string_found_is_named_the_first_listed_when_two_start_at_the_same_place():
+    scanner = StopScanner(("late", "abc", "ab"))
+    assert scanner.feed("xabc late") == "x"
+    assert scanner.matched == "abc"
+    assert StopScanner(("x",)).matched is None
 
 
 def test_a_stop_string_split_across_many_pieces_is_still_caught():

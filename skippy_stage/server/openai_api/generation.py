@@ -114,6 +114,13 @@ class _Generation:
         for task in tasks:
             task.cancel()
 
+    def prompt_tokens(self) -> tuple[int, int]:
+        """The first choice's prompt length and how much of it a resident prefix holds, as far as
+        the scheduler knows now ((0, 0) before it started): for an answer's header, before its Finish."""
+        with self._lock:
+            task = self._tasks[0] if self._tasks else None
+        return (len(task.prompt), task.cached_tokens) if task is not None else (0, 0)
+
     def abort(self, exc: SkippyError) -> None:
         """End the generation with ``exc`` for its client (from any thread)."""
         self._gone.set()

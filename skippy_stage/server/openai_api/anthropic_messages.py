@@ -1,0 +1,215 @@
+"""/v1/messages, the Anthropic Messages API: a parsed request (``anthropic_request``) run as a
+generation through the same path as chat completions (``generation``), its events shaped into
+Anthropic's answer: one message, or its server-sent events as they come::
+
+    message_start, content_block_start, ping, content_block_delta (text_delta)...,
+    content_block_stop, message_delta (stop_reason, usage), message_stop
+
+and errors in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, mapped from
+the HTTP edge's own mapping (``http_errors.http_error_for``)::
+
+    400 invalid_request_error    401 authentication_error    404 not_found_error
+    529 overloaded_error (lanes and admission queue full, + Retry-After)
+    503 api_error (a stage down or draining, + Retry-After)    504 timeout_error    500 api_error
+
+/v1/messages/count_tokens answers how many tokens the rendered conversation takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from skippy_stage.errors import SkippyError
+from skippy_stage.head.generator import Finish, GenerateSpec, Piece
+from skippy_stage.head.tasks import FINISH_LENGTH
+from skippy_stage.model.sampling import SamplingParams
+from skippy_stage.server.openai_api.anthropic_request import (
+    MessagesRequest,
+    parse_conversation,
+    parse_messages_request,
+)
+from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator
+from skippy_stage.server.openai_api.generation import _Generation, _Live
+from skippy_stage.server.openai_api.http_errors import _retry_after_s, http_error_for
+from skippy_stage.server.openai_api.request import _read_json
+from skippy_stage.stage.status import status_for
+
+log = structlog.get_logger("skippy_stage.openai_api")
+
+PATH = "/v1/messages"
+_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 504: "timeout_error"}
+
+
+def anthropic_error_body(message: str, error_type: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def _status_and_type(exc: SkippyError) -> tuple[int, str]:
+    status = http_error_for(exc).status
+    if status == 429:  # every lane and the admission queue are full: Anthropic's "overloaded"
+        return 529, "overloaded_error"
+    return status, _TYPE_BY_STATUS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error_response(exc: SkippyError) -> JSONResponse:
+    status, error_type = _status_and_type(exc)
+    headers = {"Retry-After": str(_retry_after_s(exc))} if status in (503, 529) else None
+    return JSONResponse(anthropic_error_body(str(exc), error_type), status_code=status, headers=headers)
+
+
+async def anthropic_http_exception(_request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route under /v1/messages, a wrong method) in Anthropic's shape."""
+    assert isinstance(exc, HTTPException)
+    error_type = _TYPE_BY_STATUS.get(exc.status_code, "invalid_request_error")
+    return JSONResponse(anthropic_error_body(str(exc.detail), error_type), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+def anthropic_unexpected(exc: Exception) -> Response:
+    return JSONResponse(anthropic_error_body(f"internal error: {type(exc).__name__}", "api_error"), status_code=500)
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
+
+
+def _stop(finish: Finish) -> dict[str, str | None]:
+    """Anthropic's stop_reason (and stop_sequence) of a finished generation."""
+    if finish.stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": finish.stop_sequence}
+    return {"stop_reason": "max_tokens" if finish.reason == FINISH_LENGTH else "end_turn", "stop_sequence": None}
+
+
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic counts the prompt tokens read from a cache apart from the others, as llama-server does."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
+            "output_tokens": output_tokens}
+
+
+class MessagesEndpoint:
+    """POST /v1/messages and /v1/messages/count_tokens: parse, generate (or count), shape the answer."""
+
+    name = "anthropic.messages"
+
+    def __init__(self, servicer: Any, live: _Live) -> None:
+        self.servicer = servicer
+        self.live = live
+
+    def _count(self, code: str) -> None:
+        self.servicer.stage.metrics.requests(rpc=self.name, code=code).inc()
+
+    def _refuse(self, exc: SkippyError) -> Response:
+        self._count(status_for(exc)[0].name)
+        log.info("anthropic request refused", endpoint=self.name, error=str(exc))
+        return anthropic_error_response(exc)
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            messages = parse_conversation(await _read_json(request), counting=True)
+            generator = await asyncio.to_thread(self.servicer.head)
+            spec = GenerateSpec(prompt=None, messages=tuple(messages), max_tokens=1, sampling=SamplingParams(), stop=())
+            tokens = await asyncio.to_thread(generator.prompt_tokens, spec)
+        except SkippyError as exc:
+            return self._refuse(exc)
+        return JSONResponse({"input_tokens": len(tokens)})
+
+    async def handle(self, request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            parsed = parse_messages_request(await _read_json(request))
+            generator = await asyncio.to_thread(_ready_generator, self.servicer)
+            spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
+        except SkippyError as exc:
+            return self._refuse(exc)
+        generation = _Generation(generator, spec, self.live)
+        watcher = asyncio.create_task(generation.watch(request))
+        message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+                   "model": _model_id(self.servicer)}
+        try:
+            # The first event comes before any byte is sent, so refusals (a full queue, a down
+            # chain, a prompt too long) get their own HTTP status, streaming or not.
+            first = await generation.next()
+        except SkippyError as exc:
+            watcher.cancel()
+            generation.cancel()
+            return self._refuse(exc)
+        except BaseException:
+            watcher.cancel()
+            generation.cancel()
+            raise
+        if parsed.stream:
+            return StreamingResponse(self._stream(message, parsed, generation, first, watcher, started),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text: list[str] = []
+        finish: Finish | None = None
+        try:
+            item = first
+            while item is not None:
+                _, event = item
+                if isinstance(event, Finish):
+                    finish = event
+                    break
+                if isinstance(event, Piece):
+                    text.append(event.text)
+                item = await generation.next()
+        except SkippyError as exc:
+            return self._refuse(exc)
+        finally:
+            watcher.cancel()
+            generation.cancel()
+        if finish is None:  # the client went away
+            return Response(status_code=499)
+        self._done(finish, started)
+        return JSONResponse({**message, "content": [{"type": "text", "text": "".join(text)}], **_stop(finish),
+                             "usage": _usage(finish.prompt_tokens, finish.cached_tokens, finish.completion_tokens)})
+
+    async def _stream(self, message: dict[str, Any], parsed: MessagesRequest, generation: _Generation,
+                      first: tuple[int, object] | None, watcher: asyncio.Task, started: float) -> AsyncIterator[bytes]:
+        try:
+            if first is None:  # the client went away before the first token
+                return
+            prompt_tokens, cached_tokens = generation.prompt_tokens()
+            yield _event("message_start", {"message": {**message, "content": [], "stop_reason": None,
+                                                       "stop_sequence": None,
+                                                       "usage": _usage(prompt_tokens, cached_tokens, 0)}})
+            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            yield _event("ping", {})
+            item = first
+            while item is not None:
+                _, event = item
+                if isinstance(event, Piece) and event.text:
+                    yield _event("content_block_delta", {"index": 0,
+                                                         "delta": {"type": "text_delta", "text": event.text}})
+                elif isinstance(event, Finish):
+                    yield _event("content_block_stop", {"index": 0})
+                    yield _event("message_delta", {"delta": _stop(event), "usage": _usage(
+                        event.prompt_tokens, event.cached_tokens, event.completion_tokens)})
+                    yield _event("message_stop", {})
+                    self._done(event, started)
+                    return
+                item = await generation.next()
+        except SkippyError as exc:
+            # Headers are sent: the error travels as an event, as Anthropic's streams do.
+            self._refuse(exc)
+            yield _event("error", {"error": {"type": _status_and_type(exc)[1], "message": str(exc)}})
+        finally:
+            watcher.cancel()
+            generation.cancel()
+
+    def _done(self, finish: Finish, started: float) -> None:
+        self._count("OK")
+        log.info("anthropic generate", endpoint=self.name, session_id=finish.session_id,
+                 prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens, finish=finish.reason,
+                 seconds=round(time.perf_counter() - started, 3))
