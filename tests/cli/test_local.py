@@ -168,3 +168,27 @@ def test_a_stage_whose_starter_is_already_gone_stops_at_once():
     env = {**os.environ, "SKIPPY_DIE_WITH_PARENT": "1"}  # not our parent: it died before we armed the signal
     run = subprocess.run([sys.executable, "-c", _CHILD], env=env, timeout=30)
     assert run.returncode == -15
+
+
+def test_co_located_stages_whose_threads_exceed_the_cores_send_a_prompt_one_chunk_at_a_time(monkeypatch):
+    """Two stages computing chunks at once, each on every core, wait for each other at every barrier:
+    the head of such a split keeps one chunk in flight; stages that fit the cores together keep the
+    default, and an operator's value wins."""
+    from skippy_stage.cli.local import pipeline_configs
+    from skippy_stage.config import StageConfig
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    ranges = [(0, 10), (10, 20), (20, 30)]
+
+    def head(**extra):
+        return pipeline_configs("m.gguf", ranges, host="127.0.0.1", ports=[1, 2, 3], extra=extra)[0]
+
+    default = StageConfig.__dataclass_fields__["prefill_chunks_in_flight"].default
+    assert default > 1
+    assert head(n_threads=4)["prefill_chunks_in_flight"] == 1
+    assert head(n_threads=3)["prefill_chunks_in_flight"] == 1  # 3 + 3 threads on 4 cores
+    assert "prefill_chunks_in_flight" not in head(n_threads=2)  # 2 + 2: the default
+    assert "prefill_chunks_in_flight" not in head(n_threads=1, n_threads_batch=2)
+    assert head(n_threads=1, n_threads_batch=4)["prefill_chunks_in_flight"] == 1  # a prompt's threads count
+    assert head()["prefill_chunks_in_flight"] == 1  # unset: every core, as a stage has it
+    assert head(n_threads=4, prefill_chunks_in_flight=3)["prefill_chunks_in_flight"] == 3
