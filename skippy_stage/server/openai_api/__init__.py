@@ -9,7 +9,9 @@ which frees the session on every stage.
 
 A request body is checked field by field (``request``), and domain errors become HTTP
 statuses in one place (``http_errors``). ``endpoint`` answers a completion or chat completion
-request: one JSON body, or server-sent events as the tokens come.
+request: one JSON body, or server-sent events as the tokens come. ``tools`` holds tool calling:
+the tools and tool turns checked, rendered for the chat template, the calls' grammar, and the calls
+read out of generated text.
 
 Beside it, on the same app and generation path: Anthropic's Messages API, /v1/messages
 (``anthropic_request`` checks a body, ``anthropic_messages`` answers in Anthropic's shapes and

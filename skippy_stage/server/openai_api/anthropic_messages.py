@@ -39,7 +39,7 @@ from skippy_stage.server.openai_api.anthropic_request import (
     parse_messages_request,
 )
 from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator
-from skippy_stage.server.openai_api.generation import _Generation, _Live
+from skippy_stage.server.openai_api.generation import _Generation, _Live, begin
 from skippy_stage.server.openai_api.http_errors import _retry_after_s, http_error_for
 from skippy_stage.server.openai_api.request import _read_json
 from skippy_stage.stage.status import status_for
@@ -132,22 +132,12 @@ class MessagesEndpoint:
             spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
         except SkippyError as exc:
             return self._refuse(exc)
-        generation = _Generation(generator, spec, self.live)
-        watcher = asyncio.create_task(generation.watch(request))
         message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
                    "model": _model_id(self.servicer)}
         try:
-            # The first event comes before any byte is sent, so refusals (a full queue, a down
-            # chain, a prompt too long) get their own HTTP status, streaming or not.
-            first = await generation.next()
+            generation, watcher, first = await begin(generator, spec, self.live, request)
         except SkippyError as exc:
-            watcher.cancel()
-            generation.cancel()
             return self._refuse(exc)
-        except BaseException:
-            watcher.cancel()
-            generation.cancel()
-            raise
         if parsed.stream:
             return StreamingResponse(self._stream(message, parsed, generation, first, watcher, started),
                                      media_type="text/event-stream",

@@ -21,9 +21,10 @@ from skippy_stage.errors import DownstreamError, SkippyError
 from skippy_stage.head.generator import Finish, Generator, Piece
 from skippy_stage.head.tasks import PromptLogprobs
 from skippy_stage.model.logprobs import TokenLogprob
-from skippy_stage.server.openai_api.generation import _Generation, _Live
+from skippy_stage.server.openai_api.generation import _Generation, _Live, begin
 from skippy_stage.server.openai_api.http_errors import _error_body, error_response, http_error_for
 from skippy_stage.server.openai_api.request import OpenAIRequest, _read_json, parse_request
+from skippy_stage.server.openai_api.tools import ToolUse, parse_tools
 from skippy_stage.stage.status import status_for
 
 log = structlog.get_logger("skippy_stage.openai_api")
@@ -159,28 +160,21 @@ class _Endpoint:
         try:
             body = await _read_json(request)
             parsed = parse_request(body, chat=self.chat)
+            tools = parse_tools(body, chat=self.chat)
             generator = await asyncio.to_thread(_ready_generator, self.servicer)
             spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
+            if tools is not None:
+                spec = tools.render(spec, generator.runtime.tokenizer.metadata("tokenizer.chat_template"))
         except SkippyError as exc:
             return self._refuse(exc)
-        generation = _Generation(generator, spec, self.live, parsed.n)
-        watcher = asyncio.create_task(generation.watch(request))
         head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": _model_id(self.servicer)}
         try:
-            # The first event comes before any byte is sent, so refusals (a full queue, a
-            # down chain, a prompt too long) get their own HTTP status, streaming or not.
-            first = await generation.next()
+            generation, watcher, first = await begin(generator, spec, self.live, request, parsed.n)
         except SkippyError as exc:
-            watcher.cancel()
-            generation.cancel()
             return self._refuse(exc)
-        except BaseException:
-            watcher.cancel()
-            generation.cancel()
-            raise
         if parsed.stream:
-            stream = self._stream(head, parsed, generation, first, watcher, started)
+            stream = self._stream(head, parsed, generation, first, watcher, started, tools)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         pieces: list[list[Piece]] = [[] for _ in range(parsed.n)]
@@ -219,12 +213,17 @@ class _Endpoint:
             text = "".join(piece.text for piece in got)
             choices.append(self._choice(index, prompt + text if parsed.echo else text, done.reason,
                                         logprobs=logprobs))
+            if tools is not None and tools.reads_calls:
+                message, reason = tools.answer(text, done.reason)
+                choices[-1].update(message=message, finish_reason=reason)
         return JSONResponse({**head, "object": self.object, "choices": choices, "usage": _usage(ends)})
 
     async def _stream(self, head: dict[str, Any], parsed: OpenAIRequest, generation: _Generation,
                       first: tuple[int, Piece | Finish] | None, watcher: asyncio.Task,
-                      started: float) -> AsyncIterator[bytes]:
+                      started: float, tools: ToolUse | None = None) -> AsyncIterator[bytes]:
         chunk = {**head, "object": self.object + ".chunk" if self.chat else self.object}
+        # each choice's text read for tool calls, sent as OpenAI's tool_calls deltas
+        readers = [tools.reader() for _ in range(parsed.n)] if tools is not None and tools.reads_calls else None
         if parsed.include_usage:
             chunk["usage"] = None
         try:
@@ -257,11 +256,21 @@ class _Endpoint:
                         delta = {"content": event.text} if self.chat else None
                         logprobs = (self._logprobs([event], offsets[index]) if parsed.top_logprobs is not None
                                     else None)
-                        yield _sse({**chunk, "choices": [self._choice(index, event.text, None, delta=delta,
-                                                                      logprobs=logprobs)]})
+                        if readers is None:
+                            deltas = [delta]
+                        else:  # content and tool_calls deltas; the logprobs go with the first (or alone)
+                            deltas = readers[index].feed(event.text) or ([{}] if logprobs else [])
+                        for j, delta in enumerate(deltas):
+                            yield _sse({**chunk, "choices": [self._choice(index, event.text, None, delta=delta,
+                                                                          logprobs=logprobs if j == 0 else None)]})
                 else:
                     finishes[index] = event
-                    yield _sse({**chunk, "choices": [self._choice(index, "" if not self.chat else None, event.reason,
+                    reason = event.reason
+                    if readers is not None:
+                        for delta in readers[index].end():
+                            yield _sse({**chunk, "choices": [self._choice(index, None, None, delta=delta)]})
+                        reason = readers[index].finish_reason(reason)
+                    yield _sse({**chunk, "choices": [self._choice(index, "" if not self.chat else None, reason,
                                                                   delta={} if self.chat else None)]})
                     if len(finishes) == parsed.n:
                         break

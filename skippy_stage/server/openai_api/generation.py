@@ -146,3 +146,18 @@ class _Generation:
             if message["type"] == "http.disconnect":
                 self.cancel()
                 return
+
+
+async def begin(generator: Generator, spec: GenerateSpec, live: _Live, request: Request,
+                n: int = 1) -> tuple[_Generation, asyncio.Task, tuple[int, object] | None]:
+    """Start a generation for ``request``, its disconnect watcher, and wait for its first event:
+    it comes before any byte is sent, so refusals (a full queue, a down chain, a prompt too long)
+    get their own HTTP status, streaming or not. On any failure both are stopped and it raises."""
+    generation = _Generation(generator, spec, live, n)
+    watcher = asyncio.create_task(generation.watch(request))
+    try:
+        return generation, watcher, await generation.next()
+    except BaseException:
+        watcher.cancel()
+        generation.cancel()
+        raise

@@ -33,7 +33,6 @@ MAX_CHOICES = 128  # n; the pipeline's lane_count bounds it further
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
     "functions": ([],),
 }
 
@@ -153,7 +152,10 @@ def _messages(value: object) -> tuple[tuple[str, str], ...]:
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise InvalidFieldError(f"{where}.role", f"{where}.role={_show(role)} must be one of {', '.join(ROLES)}")
-        out.append((role, _content(message.get("content"), where)))
+        content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""  # a turn of tool calls only (``tools`` checks them)
+        out.append((role, _content(content, where)))
     return tuple(out)
 
 
@@ -213,26 +215,37 @@ def _speculative(value: object) -> SpeculativeRequest | None:
 MAX_SCHEMA_REPEAT = 256
 
 
-def _check_schema_bounds(node: object, where: str) -> None:
+def _check_schema_bounds(node: object, where: str, param: str = "response_format") -> None:
     """Refuse, before converting, the bounds the converter would expand into a grammar as large as
-    they are (minLength/maxLength/minItems/maxItems, a pattern's {n,m}), naming the field."""
+    they are (minLength/maxLength/minItems/maxItems, a pattern's {n,m}), naming the field (``param``)."""
     if isinstance(node, dict):
         for key in ("minLength", "maxLength", "minItems", "maxItems"):
             value = node.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SCHEMA_REPEAT:
-                raise InvalidFieldError("response_format", f"{where}.{key}={value} is more than this server's "
-                                                           f"{MAX_SCHEMA_REPEAT}")
+                raise InvalidFieldError(param, f"{where}.{key}={value} is more than this server's "
+                                               f"{MAX_SCHEMA_REPEAT}")
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             for match in re.finditer(r"\{(\d+)(?:,(\d*))?\}", pattern):
                 if any(int(n) > MAX_SCHEMA_REPEAT for n in match.groups() if n):
-                    raise InvalidFieldError("response_format", f"{where}.pattern repeats {match.group(0)}: at most "
-                                                               f"{MAX_SCHEMA_REPEAT}")
+                    raise InvalidFieldError(param, f"{where}.pattern repeats {match.group(0)}: at most "
+                                                   f"{MAX_SCHEMA_REPEAT}")
         for key, value in node.items():
-            _check_schema_bounds(value, f"{where}.{key}")
+            _check_schema_bounds(value, f"{where}.{key}", param)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            _check_schema_bounds(value, f"{where}[{i}]")
+            _check_schema_bounds(value, f"{where}[{i}]", param)
+
+
+# A JSON string's characters: no raw control characters (JSON parsers refuse them).
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+
+
+def strict_json_strings(grammar: str) -> str:
+    """``grammar`` (from llama-cpp-python's JSON-schema converter) with JSON strings that parse: its
+    ``char`` rule lets raw control characters into strings (seen at temperature 0.9), which
+    llama.cpp's own converter leaves out, and so does this."""
+    return "\n".join(_JSON_CHAR if line.startswith("char ::= ") else line for line in grammar.splitlines())
 
 
 def _response_format(value: object) -> str:
@@ -258,7 +271,7 @@ def _response_format(value: object) -> str:
         raise InvalidFieldError("response_format", "response_format.json_schema.schema must be a JSON schema object")
     _check_schema_bounds(spec["schema"], "response_format.json_schema.schema")
     try:
-        grammar = llama_grammar.json_schema_to_gbnf(json.dumps(spec["schema"]))
+        grammar = strict_json_strings(llama_grammar.json_schema_to_gbnf(json.dumps(spec["schema"])))
     except Exception as exc:  # noqa: BLE001 - the converter's own failures, whatever their type: a 400 naming it
         raise InvalidFieldError("response_format", f"response_format.json_schema.schema cannot be turned into a "
                                                    f"grammar: {type(exc).__name__}: {exc}") from None
