@@ -8,6 +8,10 @@ on the head and a token configured. The contract:
 * a stream's text deltas concatenate to the message's text, in exactly Anthropic's event order;
 * ``stop_sequences`` end the text before the sequence with ``stop_reason: "stop_sequence"``,
   ``max_tokens`` with ``"max_tokens"``, the end of the turn with ``"end_turn"``;
+* with ``tools``, a call comes back as a ``tool_use`` block (``stop_reason: "tool_use"``) whose input
+  validates against its schema and equals the call chat completions gives for the same conversation;
+  streamed, its input arrives as ``input_json_delta`` fragments that join to it; a ``tool_result``
+  turn is answered;
 * every field this server does not implement is refused by name, in Anthropic's error shape;
 * the token is accepted as ``x-api-key`` as well as ``Authorization: Bearer``.
 """
@@ -19,6 +23,8 @@ import urllib.error
 import urllib.request
 
 import anthropic
+import jsonschema
+import openai
 import pytest
 
 from skippy_stage.cli.local import free_ports
@@ -196,16 +202,21 @@ USER = [{"role": "user", "content": "Hi"}]
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, ["tools"]),
-        ({"tool_choice": {"type": "auto"}}, ["tool_choice"]),
+        ({"tools": [{"name": "f"}]}, ["tools[0].input_schema"]),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, ["tools[0].type", "server tools"]),
+        ({"tool_choice": {"type": "sometimes"}}, ["tool_choice"]),
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},
+         ["tool_choice", "'g'"]),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+         ["messages[0].content[0].type", "tool_use", "assistant"]),
+        ({"messages": [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                                 "input": {}}]},
+                       {"role": "user", "content": [{"type": "tool_result", "content": "1"}]}]},
+         ["messages[2].content[0].tool_use_id"]),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, ["thinking"]),
         ({"extra_body": {"frobnicate": 1}}, ["frobnicate"]),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, ["messages[0].content[0].type", "image"]),
-        ({"messages": [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
-                                                                 "input": {}}]},
-                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]}]},
-         ["messages[1].content[0].type", "tool_use"]),
         ({"messages": [{"role": "assistant", "content": "Hi"}]}, ["messages[0].role", "user"]),
         ({"messages": [*USER, *USER]}, ["messages[1].role", "alternate"]),
         ({"messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, ["messages[1].role", "prefill"]),
@@ -274,3 +285,62 @@ def test_domain_errors_map_to_anthropics_statuses(exc, status, error_type):
     assert response.status_code == status
     assert_error_shape(json.loads(response.body), error_type, str(exc))
     assert ("retry-after" in response.headers) == (status >= 500)
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
+                            "required": ["city", "unit"], "additionalProperties": False}}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def tool_uses(content) -> list[tuple[str, dict]]:
+    return [(block.name, block.input) for block in content if block.type == "tool_use"]
+
+
+def test_a_tool_call_is_a_tool_use_block_equal_to_chat_completions_call_streamed_or_not(client, api):
+    """``tool_choice: any`` (chat completions' ``required``): one call whose input validates, the same
+    call the OpenAI API gives for the same conversation, and the same when streamed."""
+    kwargs = {"max_tokens": 48, "tools": [WEATHER], "extra_body": GREEDY,
+              "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+    whole = create(client, None, QUESTION, **kwargs)
+    assert whole.stop_reason == "tool_use"
+    [(name, arguments)] = tool_uses(whole.content)
+    assert name == "get_weather"
+    jsonschema.validate(arguments, WEATHER["input_schema"])
+    assert all(block.id.startswith("toolu_") for block in whole.content if block.type == "tool_use")
+
+    chat = openai.OpenAI(base_url=f"{api}/v1", api_key=TOKEN, max_retries=0, timeout=60).chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=48, temperature=0, tool_choice="required", parallel_tool_calls=False,
+        tools=[{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                                 "parameters": WEATHER["input_schema"]}}])
+    [call] = chat.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (name, arguments)
+
+    with client.messages.stream(model="m", messages=QUESTION, **kwargs) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use" and tool_uses(streamed.content) == [(name, arguments)]
+    fragments = [e.delta.partial_json for e in events
+                 if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert fragments and json.loads("".join(fragments)) == arguments
+
+
+def test_a_tool_result_turn_is_answered_and_streams_as_it_is_answered_whole(client):
+    """The call → result → answer round: the assistant's tool_use and the user's tool_result go back
+    in; with tool_choice none the model answers in text, the same streamed or not."""
+    first = create(client, None, QUESTION, max_tokens=48, tools=[WEATHER], extra_body=GREEDY,
+                   tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    use = next(block for block in first.content if block.type == "tool_use")
+    history = [*QUESTION, {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                             "content": "18 degrees celsius and sunny"}]}]
+    kwargs = {"max_tokens": 24, "tools": [WEATHER], "tool_choice": {"type": "none"}, "extra_body": GREEDY}
+    answer = create(client, None, history, **kwargs)
+    assert answer.stop_reason in ("end_turn", "max_tokens") and not tool_uses(answer.content)
+    text = "".join(block.text for block in answer.content if block.type == "text")
+    assert text
+    with client.messages.stream(model="m", messages=history, **kwargs) as stream:
+        assert "".join(stream.text_stream) == text
+    counted = client.messages.count_tokens(model="m", messages=history, tools=[WEATHER], tool_choice={"type": "none"})
+    assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)

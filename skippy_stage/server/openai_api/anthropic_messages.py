@@ -91,6 +91,65 @@ def _stop(finish: Finish) -> dict[str, str | None]:
     return {"stop_reason": "max_tokens" if finish.reason == FINISH_LENGTH else "end_turn", "stop_sequence": None}
 
 
+def _tool_use_id(call_id: str) -> str:
+    """Anthropic's id for a call the reader named ``call_<hex>``."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat message (``CallReader.message``) as Anthropic's content blocks: its text, then a
+    ``tool_use`` block per call (its arguments parsed: the grammar, or the reader, made them JSON)."""
+    blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    for call in message.get("tool_calls", ()):
+        fn = call["function"]
+        try:
+            arguments = json.loads(fn["arguments"] or "{}")
+        except ValueError:
+            arguments = {}
+        blocks.append({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": fn["name"], "input": arguments})
+    return blocks
+
+
+class _BlockStream:
+    """A tool-reading answer's stream: the reader's chat deltas as Anthropic's content blocks, each
+    started when its first delta comes and stopped when the next begins (text, then tool_use blocks
+    whose ``input`` arrives as ``input_json_delta`` fragments)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self.stop()
+        self.index += 1
+        self.kind = block["type"]
+        return [*out, _event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def stop(self) -> list[bytes]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def events(self, deltas: list[dict[str, Any]]) -> list[bytes]:
+        out: list[bytes] = []
+        for delta in deltas:
+            if delta.get("content"):
+                if self.kind != "text":
+                    out += self._start({"type": "text", "text": ""})
+                out.append(_event("content_block_delta", {"index": self.index,
+                                                          "delta": {"type": "text_delta", "text": delta["content"]}}))
+            for call in delta.get("tool_calls", ()):
+                fn = call.get("function", {})
+                if "id" in call:
+                    out += self._start({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": fn["name"],
+                                        "input": {}})
+                if fn.get("arguments"):
+                    out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                        "type": "input_json_delta", "partial_json": fn["arguments"]}}))
+        return out
+
+
 def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
     """Anthropic counts the prompt tokens read from a cache apart from the others, as llama-server does."""
     return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
@@ -116,9 +175,11 @@ class MessagesEndpoint:
 
     async def count_tokens(self, request: Request) -> Response:
         try:
-            messages = parse_conversation(await _read_json(request), counting=True)
+            messages, tools = parse_conversation(await _read_json(request), counting=True)
             generator = await asyncio.to_thread(self.servicer.head)
             spec = GenerateSpec(prompt=None, messages=tuple(messages), max_tokens=1, sampling=SamplingParams(), stop=())
+            if tools is not None:
+                spec = tools.render(spec, generator.runtime.tokenizer.metadata("tokenizer.chat_template"))
             tokens = await asyncio.to_thread(generator.prompt_tokens, spec)
         except SkippyError as exc:
             return self._refuse(exc)
@@ -130,6 +191,8 @@ class MessagesEndpoint:
             parsed = parse_messages_request(await _read_json(request))
             generator = await asyncio.to_thread(_ready_generator, self.servicer)
             spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
+            if parsed.tools is not None:
+                spec = parsed.tools.render(spec, generator.runtime.tokenizer.metadata("tokenizer.chat_template"))
         except SkippyError as exc:
             return self._refuse(exc)
         message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
@@ -162,7 +225,14 @@ class MessagesEndpoint:
         if finish is None:  # the client went away
             return Response(status_code=499)
         self._done(finish, started)
-        return JSONResponse({**message, "content": [{"type": "text", "text": "".join(text)}], **_stop(finish),
+        content = [{"type": "text", "text": "".join(text)}]
+        stop = _stop(finish)
+        if parsed.tools is not None and parsed.tools.reads_calls:
+            answer, reason = parsed.tools.answer("".join(text), finish.reason)
+            content = _content_blocks(answer)
+            if reason == "tool_calls":
+                stop = {"stop_reason": "tool_use", "stop_sequence": None}
+        return JSONResponse({**message, "content": content, **stop,
                              "usage": _usage(finish.prompt_tokens, finish.cached_tokens, finish.completion_tokens)})
 
     async def _stream(self, message: dict[str, Any], parsed: MessagesRequest, generation: _Generation,
@@ -174,17 +244,31 @@ class MessagesEndpoint:
             yield _event("message_start", {"message": {**message, "content": [], "stop_reason": None,
                                                        "stop_sequence": None,
                                                        "usage": _usage(prompt_tokens, cached_tokens, 0)}})
-            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            reader = parsed.tools.reader() if parsed.tools is not None and parsed.tools.reads_calls else None
+            blocks = _BlockStream()
+            if reader is None:
+                yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
             yield _event("ping", {})
             item = first
             while item is not None:
                 _, event = item
                 if isinstance(event, Piece) and event.text:
-                    yield _event("content_block_delta", {"index": 0,
-                                                         "delta": {"type": "text_delta", "text": event.text}})
+                    if reader is not None:
+                        for chunk in blocks.events(reader.feed(event.text)):
+                            yield chunk
+                    else:
+                        yield _event("content_block_delta", {"index": 0,
+                                                             "delta": {"type": "text_delta", "text": event.text}})
                 elif isinstance(event, Finish):
-                    yield _event("content_block_stop", {"index": 0})
-                    yield _event("message_delta", {"delta": _stop(event), "usage": _usage(
+                    stop = _stop(event)
+                    if reader is not None:
+                        for chunk in [*blocks.events(reader.end()), *blocks.stop()]:
+                            yield chunk
+                        if reader.finish_reason(event.reason) == "tool_calls":
+                            stop = {"stop_reason": "tool_use", "stop_sequence": None}
+                    else:
+                        yield _event("content_block_stop", {"index": 0})
+                    yield _event("message_delta", {"delta": stop, "usage": _usage(
                         event.prompt_tokens, event.cached_tokens, event.completion_tokens)})
                     yield _event("message_stop", {})
                     self._done(event, started)

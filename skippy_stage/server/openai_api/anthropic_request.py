@@ -1,10 +1,13 @@
 """What the Anthropic Messages API accepts: a /v1/messages (or /v1/messages/count_tokens) body,
 checked field by field by :func:`parse_messages_request`, which names the field and the value.
 
-Text conversations only: a ``system`` prompt and alternating user and assistant turns whose
-content is a string or ``text`` blocks, rendered with the GGUF's chat template as chat
-completions are. Every other field Anthropic's API knows (``tools``, ``thinking``, image or
-``tool_use`` blocks, ...) is refused by name rather than ignored; ``metadata`` and
+A ``system`` prompt and alternating user and assistant turns whose content is a string or
+``text`` blocks, rendered with the GGUF's chat template as chat completions are; with ``tools``
+(``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``any``, ``tool``,
+``none``; ``disable_parallel_tool_use``), assistant ``tool_use`` blocks and user ``tool_result``
+blocks, the conversation is turned into chat completions' tool chat and goes through the same
+tool calls (``tools``: rendering, grammar, reading calls). Every other field Anthropic's API knows
+(``thinking``, image blocks, ...) is refused by name rather than ignored; ``metadata`` and
 ``cache_control`` are accepted and ignored, because they change nothing here (resident
 prefixes cache every prompt without being asked).
 
@@ -13,6 +16,7 @@ Where a request leaves a field out, Anthropic's default applies: sampling at tem
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,17 +25,17 @@ from skippy_stage.errors import InvalidFieldError
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.server.openai_api.request import _bool_field, _float_field, _int_field, _json_kind, _show
+from skippy_stage.server.openai_api.tools import ToolUse, parse_tools
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's documented default
 ROLES = ("user", "assistant")
 # The fields of a message request this server implements (``metadata``: accepted, ignored).
 _FIELDS = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
-                     "top_k", "stream", "metadata", "cache_control"})
+                     "top_k", "stream", "metadata", "cache_control", "tools", "tool_choice"})
 # /v1/messages/count_tokens takes the conversation only.
-_COUNT_FIELDS = frozenset({"model", "messages", "system", "cache_control"})
+_COUNT_FIELDS = frozenset({"model", "messages", "system", "cache_control", "tools", "tool_choice"})
 # Fields this server does not implement, with the values that mean "not used".
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "tools": ([],),
     "thinking": ({"type": "disabled"},),
     "service_tier": ("auto", "standard_only"),
 }
@@ -47,6 +51,7 @@ class MessagesRequest:
     sampling: SamplingParams
     stop: tuple[str, ...]
     stream: bool
+    tools: ToolUse | None = None  # tools offered, or tool turns in the conversation
 
     def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
         """The Generate spec, with max_tokens checked against the pipeline's session size."""
@@ -66,7 +71,9 @@ def _cache_control(value: object, where: str) -> None:
 
 
 def _no_other_keys(value: dict[str, Any], keys: frozenset[str], where: str) -> None:
-    other = sorted(set(value) - keys)
+    """Refuse any key but ``keys`` that has a value: a block a client echoes back from an answer
+    carries the fields its SDK knows, unset ones as null (a tool_use block's ``caller``)."""
+    other = sorted(key for key in set(value) - keys if value[key] is not None)
     if other:
         raise InvalidFieldError(f"{where}.{other[0]}", f"{where}.{other[0]} is not supported by this server")
 
@@ -98,11 +105,116 @@ def _text(value: object, where: str) -> str:
     raise InvalidFieldError(where, f"{where} must be a string or an array of text blocks, got {_json_kind(value)}")
 
 
-def _messages(value: object) -> list[tuple[str, str]]:
+def _tool_use_block(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant's ``tool_use`` block as chat completions' past call."""
+    _no_other_keys(block, frozenset({"type", "id", "name", "input", "cache_control"}), where)
+    for key in ("id", "name"):
+        if not isinstance(block.get(key), str) or not block[key]:
+            raise InvalidFieldError(f"{where}.{key}", f"{where}.{key} must be a non-empty string, got "
+                                                      f"{_show(block.get(key))}")
+    if not isinstance(block.get("input"), dict):
+        raise InvalidFieldError(f"{where}.input", f"{where}.input must be an object (the call's arguments), got "
+                                                  f"{_json_kind(block.get('input'))}")
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}}
+
+
+def _tool_result_block(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A user's ``tool_result`` block as chat completions' tool message."""
+    _no_other_keys(block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}), where)
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidFieldError(f"{where}.tool_use_id", f"{where}.tool_use_id must be the id of the tool_use it "
+                                                        f"answers, got {_show(call_id)}")
+    content = block.get("content", "")
+    text = content if isinstance(content, str) else _text(content, f"{where}.content")
+    if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
+        raise InvalidFieldError(f"{where}.is_error", f"{where}.is_error must be a boolean, got "
+                                                     f"{_json_kind(block['is_error'])}")
+    return {"role": "tool", "tool_call_id": call_id, "content": f"Error: {text}" if block.get("is_error") else text}
+
+
+def _turn(role: str, content: object, where: str) -> tuple[str, list[dict[str, Any]]]:
+    """A turn's text, and the turn as chat completions' messages (tool results as tool messages,
+    an assistant's calls as its ``tool_calls``)."""
+    if not isinstance(content, list):
+        text = _text(content, where)
+        return text, [{"role": role, "content": text}]
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use":
+            if role != "assistant":
+                raise InvalidFieldError(f"{at}.type", f"{at}.type='tool_use' belongs in an assistant turn")
+            calls.append(_tool_use_block(block, at))
+        elif kind == "tool_result":
+            if role != "user":
+                raise InvalidFieldError(f"{at}.type", f"{at}.type='tool_result' belongs in a user turn")
+            results.append(_tool_result_block(block, at))
+        else:
+            texts.append(_text_block(block, at))
+    text = "".join(texts)
+    if calls:
+        return text, [{"role": "assistant", "content": text, "tool_calls": calls}]
+    return text, [*results, *([{"role": role, "content": text}] if text or not results else [])]
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` as chat completions' (checked there, ``tools.parse_tools``)."""
+    tools = body.get("tools")
+    out: dict[str, Any] = {}
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise InvalidFieldError("tools", f"tools must be an array of {{name, description, input_schema}} "
+                                             f"objects, got {_json_kind(tools)}")
+        converted = []
+        for i, tool in enumerate(tools):
+            where = f"tools[{i}]"
+            if not isinstance(tool, dict):
+                raise InvalidFieldError(where, f"{where} must be a {{name, description, input_schema}} object, got "
+                                               f"{_json_kind(tool)}")
+            if tool.get("type") not in (None, "custom"):
+                raise InvalidFieldError(f"{where}.type", f"{where}.type={_show(tool.get('type'))}: server tools are "
+                                                         f"not supported by this server, only client tools")
+            _no_other_keys(tool, frozenset({"type", "name", "description", "input_schema", "cache_control"}), where)
+            if "input_schema" not in tool:
+                raise InvalidFieldError(f"{where}.input_schema", f"{where}.input_schema is required")
+            converted.append({"type": "function", "function": {
+                **{k: tool[k] for k in ("name", "description") if k in tool}, "parameters": tool["input_schema"]}})
+        out["tools"] = converted
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in ("auto", "any", "tool", "none"):
+            raise InvalidFieldError("tool_choice", f"tool_choice={_show(choice)} must be {{type: auto | any | tool "
+                                                   f"| none}} (tool with a name)")
+        _no_other_keys(choice, frozenset({"type", "name", "disable_parallel_tool_use"}), "tool_choice")
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise InvalidFieldError("tool_choice.name", "tool_choice.name is required with type tool")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        else:
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        parallel = choice.get("disable_parallel_tool_use")
+        if parallel is not None:
+            if not isinstance(parallel, bool):
+                raise InvalidFieldError("tool_choice.disable_parallel_tool_use",
+                                        f"tool_choice.disable_parallel_tool_use must be a boolean, got "
+                                        f"{_json_kind(parallel)}")
+            out["parallel_tool_calls"] = not parallel
+    return out
+
+
+def _messages(value: object) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+    """The turns as (role, text), and as chat completions' messages (tool turns included)."""
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else _json_kind(value)
         raise InvalidFieldError("messages", f"messages must be a non-empty array of {{role, content}} objects, got {got}")
     out = []
+    chat: list[dict[str, Any]] = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -117,13 +229,15 @@ def _messages(value: object) -> list[tuple[str, str]]:
         if role != expected:
             why = "the first turn must be the user's" if i == 0 else "user and assistant turns must alternate"
             raise InvalidFieldError(f"{where}.role", f"{where}.role={role!r}: {why}")
-        out.append((role, _text(message.get("content"), f"{where}.content")))
+        text, turns = _turn(role, message.get("content"), f"{where}.content")
+        out.append((role, text))
+        chat.extend(turns)
     if out[-1][0] != "user":
         last = f"messages[{len(out) - 1}]"
         raise InvalidFieldError(f"{last}.role", f"{last}.role='assistant': the last turn must be the user's "
                                                 f"(continuing an assistant turn, prefill, is not supported by "
                                                 f"this server)")
-    return out
+    return out, chat
 
 
 def _stop_sequences(value: object) -> tuple[str, ...]:
@@ -151,8 +265,9 @@ def _check_fields(body: dict[str, Any], accepted: frozenset[str]) -> None:
         raise InvalidFieldError(name, f"{name}={_show(value)} is not supported by this server")
 
 
-def parse_conversation(body: object, *, counting: bool = False) -> list[tuple[str, str]]:
-    """The checked conversation of a body (``counting``: a count_tokens body, the conversation only)."""
+def parse_conversation(body: object, *, counting: bool = False) -> tuple[list[tuple[str, str]], ToolUse | None]:
+    """The checked conversation of a body (``counting``: a count_tokens body, the conversation only),
+    and its tools and tool turns (None: a text conversation)."""
     if not isinstance(body, dict):
         raise InvalidFieldError(None, f"the request body must be a JSON object, got {_json_kind(body)}")
     _check_fields(body, _COUNT_FIELDS if counting else _FIELDS)
@@ -162,18 +277,19 @@ def parse_conversation(body: object, *, counting: bool = False) -> list[tuple[st
         _cache_control(body["cache_control"], "cache_control")
     if "messages" not in body:
         raise InvalidFieldError("messages", "messages is required")
-    messages = _messages(body["messages"])
+    messages, chat = _messages(body["messages"])
     system = body.get("system")
     if system is not None:
         text = _text(system, "system")
         if text:
             messages.insert(0, ("system", text))
-    return messages
+            chat.insert(0, {"role": "system", "content": text})
+    return messages, parse_tools({"messages": chat, **_tools(body)}, chat=True)
 
 
 def parse_messages_request(body: object) -> MessagesRequest:
     """Validate a /v1/messages body, field by field."""
-    messages = parse_conversation(body)
+    messages, tools = parse_conversation(body)
     assert isinstance(body, dict)  # parse_conversation checked it
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise InvalidFieldError("metadata", f"metadata must be an object, got {_json_kind(body['metadata'])}")
@@ -189,4 +305,5 @@ def parse_messages_request(body: object) -> MessagesRequest:
         seed=RANDOM_SEED,
     )
     return MessagesRequest(messages=tuple(messages), max_tokens=max_tokens, sampling=sampling.validate(),
-                           stop=_stop_sequences(body.get("stop_sequences")), stream=_bool_field(body, "stream"))
+                           stop=_stop_sequences(body.get("stop_sequences")), stream=_bool_field(body, "stream"),
+                           tools=tools)
