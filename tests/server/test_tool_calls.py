@@ -190,7 +190,7 @@ def test_twenty_required_calls_over_four_schemas_all_validate(api):
 
 def test_parallel_calls_each_get_an_index_and_an_id(api):
     body = dict(model="m", messages=[{"role": "user", "content": "What is the weather in Paris and in Rome?"}],
-                tools=WEATHER, tool_choice="required", temperature=0, max_tokens=80)
+                tools=WEATHER, tool_choice="required", parallel_tool_calls=True, temperature=0, max_tokens=80)
     answer = api.chat.completions.create(**body)
     calls = as_dicts(answer.choices[0].message.tool_calls)
     assert len(calls) >= 2 and len({c["id"] for c in calls}) == len(calls)
@@ -390,3 +390,15 @@ def test_a_constrained_call_streams_its_arguments_as_they_come():
     fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:]]
     assert len(fragments) > 10 and "".join(fragments) == '{"s": "a\\"}b", "n": [1, {"k": 2}]}'
     assert message["content"] is None and json.loads(message["tool_calls"][0]["function"]["arguments"])
+
+
+def test_under_the_grammar_a_call_cut_off_before_its_name_is_dropped_not_turned_into_text():
+    """max_tokens ended a parallel answer inside its second call's head: the first call stands, and
+    nothing of the second becomes content (the grammar allows no text)."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g'
+    for cuts in ([], list(range(1, len(text)))):
+        deltas, message = _read(text, cuts, constrained=True)
+        assert message["content"] is None
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+            [("f", '{"a": 1}')]
+        assert not any("content" in d for d in deltas)

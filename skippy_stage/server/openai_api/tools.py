@@ -114,7 +114,9 @@ def parse_tools(body: dict[str, Any], *, chat: bool) -> ToolUse | None:
         return None
     functions = _functions(body.get("tools"))
     parallel = body.get("parallel_tool_calls")
-    parallel = True if parallel is None else parallel  # OpenAI's default
+    # llama-server's default, not OpenAI's: a small model allowed several calls tends to go on
+    # calling until max_tokens (SmolLM2 did, for a question that needs one call).
+    parallel = False if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise InvalidFieldError("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got "
                                                        f"{_json_kind(parallel)} ({_show(parallel)})")
@@ -424,8 +426,10 @@ class CallReader:
             call = self._parse(self._buf)
             if call is not None:
                 self._whole_call(*call, out)
-            else:
+            elif not self._constrained:
                 self._text(OPEN + self._buf, out)
+            # (under the calls' grammar an unfinished block is a call cut off before its name was
+            # read: nothing of it is text)
         self._buf = ""
         if self._blank and not self.calls:
             self._emit_text(self._blank, out)
