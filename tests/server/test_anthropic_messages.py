@@ -203,6 +203,8 @@ USER = [{"role": "user", "content": "Hi"}]
     ("kwargs", "words"),
     [
         ({"tools": [{"name": "f"}]}, ["tools[0].input_schema"]),
+        ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, ["tools[0].input_schema", "object"]),
+        ({"tools": [{"name": "no spaces", "input_schema": {"type": "object"}}]}, ["tools[0].name"]),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, ["tools[0].type", "server tools"]),
         ({"tool_choice": {"type": "sometimes"}}, ["tool_choice"]),
         ({"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},

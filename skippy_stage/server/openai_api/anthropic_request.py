@@ -17,6 +17,7 @@ Where a request leaves a field out, Anthropic's default applies: sampling at tem
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,7 +285,20 @@ def parse_conversation(body: object, *, counting: bool = False) -> tuple[list[tu
         if text:
             messages.insert(0, ("system", text))
             chat.insert(0, {"role": "system", "content": text})
-    return messages, parse_tools({"messages": chat, **_tools(body)}, chat=True)
+    try:
+        return messages, parse_tools({"messages": chat, **_tools(body)}, chat=True)
+    except InvalidFieldError as exc:
+        raise InvalidFieldError(_anthropic_name(exc.param), _anthropic_name(str(exc))) from None
+
+
+# Chat completions' names for a tool's fields, as this API names them (a schema the grammar cannot
+# take is refused by chat completions' tool code: the error names the field the client sent).
+_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(parameters|name|description)")
+_OURS = {"parameters": "input_schema", "name": "name", "description": "description"}
+
+
+def _anthropic_name(text: str | None) -> str | None:
+    return None if text is None else _TOOL_FIELD.sub(lambda m: f"tools[{m[1]}].{_OURS[m[2]]}", text)
 
 
 def parse_messages_request(body: object) -> MessagesRequest:
