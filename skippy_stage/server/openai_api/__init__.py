@@ -15,5 +15,7 @@ read out of generated text.
 
 Beside it, on the same app and generation path: Anthropic's Messages API, /v1/messages
 (``anthropic_request`` checks a body, ``anthropic_messages`` answers in Anthropic's shapes and
-events), and llama-server's /tokenize, /detokenize and /props (``llama_server``).
+events), OpenAI's Responses API, /v1/responses (``responses_request`` checks a body and turns it
+into a chat completion's, ``responses_api`` answers with Response objects and events and keeps the
+stored responses), and llama-server's /tokenize, /detokenize and /props (``llama_server``).
 """

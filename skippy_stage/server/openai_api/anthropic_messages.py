@@ -40,9 +40,8 @@ from skippy_stage.server.openai_api.anthropic_request import (
 )
 from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator
 from skippy_stage.server.openai_api.generation import _Generation, _Live, begin
-from skippy_stage.server.openai_api.http_errors import _retry_after_s, http_error_for
+from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _retry_after_s, http_error_for
 from skippy_stage.server.openai_api.request import _read_json
-from skippy_stage.stage.status import status_for
 
 log = structlog.get_logger("skippy_stage.openai_api")
 
@@ -156,7 +155,7 @@ def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[s
             "output_tokens": output_tokens}
 
 
-class MessagesEndpoint:
+class MessagesEndpoint(CountedEndpoint):
     """POST /v1/messages and /v1/messages/count_tokens: parse, generate (or count), shape the answer."""
 
     name = "anthropic.messages"
@@ -165,12 +164,7 @@ class MessagesEndpoint:
         self.servicer = servicer
         self.live = live
 
-    def _count(self, code: str) -> None:
-        self.servicer.stage.metrics.requests(rpc=self.name, code=code).inc()
-
-    def _refuse(self, exc: SkippyError) -> Response:
-        self._count(status_for(exc)[0].name)
-        log.info("anthropic request refused", endpoint=self.name, error=str(exc))
+    def error_response(self, exc: SkippyError) -> Response:
         return anthropic_error_response(exc)
 
     async def count_tokens(self, request: Request) -> Response:

@@ -1,6 +1,7 @@
 """The starlette app of the head's HTTP API: its routes (/health, /metrics, /v1/models, the
-OpenAI generation endpoints, Anthropic's /v1/messages, llama-server's /tokenize, /detokenize and
-/props), the token check and the error handlers (in Anthropic's shape under /v1/messages)."""
+OpenAI generation endpoints and /v1/responses, Anthropic's /v1/messages, llama-server's /tokenize,
+/detokenize and /props), the token check and the error handlers (in Anthropic's shape under
+/v1/messages)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skippy_stage.server.openai_api import anthropic_messages
+from skippy_stage.server.openai_api import anthropic_messages, responses_api
 from skippy_stage.server.openai_api.anthropic_messages import MessagesEndpoint, anthropic_error_body
 from skippy_stage.server.openai_api.endpoint import _Endpoint, _model_id
 from skippy_stage.server.openai_api.generation import _Live
 from skippy_stage.server.openai_api.http_errors import _error_body, _http_exception, _unexpected
 from skippy_stage.server.openai_api.llama_server import LlamaServerEndpoints
+from skippy_stage.server.openai_api.responses_api import ResponsesEndpoint
 
 
 def _anthropic(request: Request) -> bool:
@@ -98,12 +100,16 @@ def build_app(servicer: Any, live: _Live | None = None, *, token: str | None = N
 
     messages = MessagesEndpoint(servicer, live)
     llama_server = LlamaServerEndpoints(servicer)
+    responses = ResponsesEndpoint(servicer, live)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", _Endpoint(servicer, live, chat=False).handle, methods=["POST"]),
         Route("/v1/chat/completions", _Endpoint(servicer, live, chat=True).handle, methods=["POST"]),
+        Route(responses_api.PATH, responses.create, methods=["POST"]),
+        Route(f"{responses_api.PATH}/{{response_id}}", responses.retrieve, methods=["GET"]),
+        Route(f"{responses_api.PATH}/{{response_id}}", responses.delete, methods=["DELETE"]),
         Route(anthropic_messages.PATH, messages.handle, methods=["POST"]),
         Route(f"{anthropic_messages.PATH}/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/tokenize", llama_server.tokenize, methods=["POST"]),

@@ -22,10 +22,9 @@ from skippy_stage.head.generator import Finish, Generator, Piece
 from skippy_stage.head.tasks import PromptLogprobs
 from skippy_stage.model.logprobs import TokenLogprob
 from skippy_stage.server.openai_api.generation import _Generation, _Live, begin
-from skippy_stage.server.openai_api.http_errors import _error_body, error_response, http_error_for
+from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _error_body, http_error_for
 from skippy_stage.server.openai_api.request import OpenAIRequest, _read_json, parse_request
 from skippy_stage.server.openai_api.tools import ToolUse, parse_tools
-from skippy_stage.stage.status import status_for
 
 log = structlog.get_logger("skippy_stage.openai_api")
 
@@ -76,7 +75,7 @@ class _TextOffsets:
         return at
 
 
-class _Endpoint:
+class _Endpoint(CountedEndpoint):
     """/v1/completions or /v1/chat/completions: parse, generate, shape the answer."""
 
     def __init__(self, servicer: Any, live: _Live, *, chat: bool) -> None:
@@ -85,14 +84,6 @@ class _Endpoint:
         self.chat = chat
         self.name = "openai.chat.completions" if chat else "openai.completions"
         self.object = "chat.completion" if chat else "text_completion"
-
-    def _count(self, code: str) -> None:
-        self.servicer.stage.metrics.requests(rpc=self.name, code=code).inc()
-
-    def _refuse(self, exc: SkippyError) -> Response:
-        self._count(status_for(exc)[0].name)
-        log.info("openai request refused", endpoint=self.name, error=str(exc))
-        return error_response(exc)
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, *, delta: dict | None = None,
                 logprobs: dict | None = None) -> dict[str, Any]:

@@ -83,3 +83,23 @@ async def _unexpected(_request: Request, exc: Exception) -> Response:
     log.exception("openai api: unexpected error", error=repr(exc))
     return JSONResponse(_error_body(f"internal error: {type(exc).__name__}", _INTERNAL.type, code=_INTERNAL.code),
                         status_code=500)
+
+
+class CountedEndpoint:
+    """An HTTP endpoint of the head: every answer counted by its name and status code in the stage's
+    request metrics, a refusal logged and answered in the API's error shape (``error_response``:
+    OpenAI's; an API with its own shape overrides it)."""
+
+    name = "http"
+    servicer: Any
+
+    def error_response(self, exc: SkippyError) -> Response:
+        return error_response(exc)
+
+    def _count(self, code: str) -> None:
+        self.servicer.stage.metrics.requests(rpc=self.name, code=code).inc()
+
+    def _refuse(self, exc: SkippyError) -> Response:
+        self._count(status_for(exc)[0].name)
+        log.info("http request refused", endpoint=self.name, error=str(exc))
+        return self.error_response(exc)
