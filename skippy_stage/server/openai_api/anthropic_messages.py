@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from skippy_stage.errors import SkippyError
 from skippy_stage.head.generator import Finish, GenerateSpec, Piece
@@ -39,7 +39,7 @@ from skippy_stage.server.openai_api.anthropic_request import (
     parse_messages_request,
 )
 from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator
-from skippy_stage.server.openai_api.generation import _Generation, _Live, begin
+from skippy_stage.server.openai_api.generation import _Generation, _Live, begin, read_whole, sse_response
 from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _retry_after_s, http_error_for
 from skippy_stage.server.openai_api.request import _read_json
 
@@ -196,26 +196,12 @@ class MessagesEndpoint(CountedEndpoint):
         except SkippyError as exc:
             return self._refuse(exc)
         if parsed.stream:
-            return StreamingResponse(self._stream(message, parsed, generation, first, watcher, started),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return sse_response(self._stream(message, parsed, generation, first, watcher, started))
         text: list[str] = []
-        finish: Finish | None = None
         try:
-            item = first
-            while item is not None:
-                _, event = item
-                if isinstance(event, Finish):
-                    finish = event
-                    break
-                if isinstance(event, Piece):
-                    text.append(event.text)
-                item = await generation.next()
+            finish = await read_whole(generation, watcher, first, text.append)
         except SkippyError as exc:
             return self._refuse(exc)
-        finally:
-            watcher.cancel()
-            generation.cancel()
         if finish is None:  # the client went away
             return Response(status_code=499)
         self._done(finish, started)

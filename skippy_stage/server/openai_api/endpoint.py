@@ -15,13 +15,13 @@ from typing import Any
 
 import structlog
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from skippy_stage.errors import DownstreamError, SkippyError
 from skippy_stage.head.generator import Finish, Generator, Piece
 from skippy_stage.head.tasks import PromptLogprobs
 from skippy_stage.model.logprobs import TokenLogprob
-from skippy_stage.server.openai_api.generation import _Generation, _Live, begin
+from skippy_stage.server.openai_api.generation import _Generation, _Live, begin, sse_response
 from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _error_body, http_error_for
 from skippy_stage.server.openai_api.request import OpenAIRequest, _read_json, parse_request
 from skippy_stage.server.openai_api.tools import ToolUse, parse_tools
@@ -166,8 +166,7 @@ class _Endpoint(CountedEndpoint):
             return self._refuse(exc)
         if parsed.stream:
             stream = self._stream(head, parsed, generation, first, watcher, started, tools)
-            return StreamingResponse(stream, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return sse_response(stream)
         pieces: list[list[Piece]] = [[] for _ in range(parsed.n)]
         finishes: dict[int, Finish] = {}
         prompt_lps: PromptLogprobs | None = None

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from skippy_stage.errors import RuntimeFailure, SkippyError
 from skippy_stage.head.generator import Finish, GenerateSpec, Generator, Piece
@@ -161,3 +163,29 @@ async def begin(generator: Generator, spec: GenerateSpec, live: _Live, request: 
         watcher.cancel()
         generation.cancel()
         raise
+
+
+async def read_whole(generation: _Generation, watcher: asyncio.Task, first: tuple[int, object] | None,
+                     on_text: Callable[[str], None]) -> Finish | None:
+    """A generation's answer read whole (one choice): each piece's text to ``on_text``, then its
+    Finish; None when the client went away first. The generation and its watcher end either way;
+    a failure raises (SkippyError) for the caller to refuse."""
+    try:
+        item = first
+        while item is not None:
+            _, event = item
+            if isinstance(event, Finish):
+                return event
+            if isinstance(event, Piece):
+                on_text(event.text)
+            item = await generation.next()
+        return None
+    finally:
+        watcher.cancel()
+        generation.cancel()
+
+
+def sse_response(stream: AsyncIterator[bytes]) -> StreamingResponse:
+    """Server-sent events, unbuffered by proxies on the way."""
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

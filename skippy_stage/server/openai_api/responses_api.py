@@ -35,13 +35,13 @@ from typing import Any
 
 import structlog
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from skippy_stage.errors import InvalidFieldError, SkippyError
 from skippy_stage.head.generator import Finish, Piece
 from skippy_stage.head.tasks import FINISH_LENGTH
 from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator
-from skippy_stage.server.openai_api.generation import _Generation, _Live, begin
+from skippy_stage.server.openai_api.generation import _Generation, _Live, begin, read_whole, sse_response
 from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _error_body, error_response, http_error_for
 from skippy_stage.server.openai_api.request import _read_json
 from skippy_stage.server.openai_api.responses_request import (
@@ -296,27 +296,13 @@ class ResponsesEndpoint(CountedEndpoint):
         except SkippyError as exc:
             return self._refuse(exc)
         if parsed.stream:
-            return StreamingResponse(self._stream(response, parsed, conversation, ResponseOutput(reader), generation,
-                                                  first, watcher, started),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return sse_response(self._stream(response, parsed, conversation, ResponseOutput(reader), generation,
+                                             first, watcher, started))
         output = ResponseOutput(reader)
-        finish: Finish | None = None
         try:
-            item = first
-            while item is not None:
-                _, event = item
-                if isinstance(event, Finish):
-                    finish = event
-                    break
-                if isinstance(event, Piece):
-                    output.feed(event.text)
-                item = await generation.next()
+            finish = await read_whole(generation, watcher, first, output.feed)
         except SkippyError as exc:
             return self._refuse(exc)
-        finally:
-            watcher.cancel()
-            generation.cancel()
         if finish is None:  # the client went away
             return Response(status_code=499)
         output.end(finish)
