@@ -400,8 +400,11 @@ class StageConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message or frame this stage sends or accepts; larger ones get RESOURCE_EXHAUSTED.
     At most 2 GiB - 1: gRPC counts a message's bytes in a signed 32-bit integer."""
-    max_inflight: int = 1
-    """Head: batches in flight at once (disjoint session groups); at most ``lane_count``."""
+    max_inflight: int = 4
+    """Head: most batches in flight at once (disjoint session groups; at most ``lane_count`` of them).
+    The head keeps as many as the links leave room for, from each step's measured time and the measured
+    round trip to its downstream: one on loopback, more where a link's delay is a fair part of a step
+    (and on hosts of their own, about one per stage). 1: one batch at a time."""
     verify_window_depth: int = 4
     """Head: most speculative verify windows of one session in flight (1..8). While a window is verified
     the head drafts the next from the guess that it is all kept and sends it; a window cut short makes the
@@ -412,6 +415,12 @@ class StageConfig:
     while the one before it is still on its way, so every stage works on one as soon as it is free and a
     link's delay is paid about once per prompt, not once per chunk; the chunks are those of one at a time
     (the same batches, the same numbers). 1: each chunk waits for the one before it to come back."""
+    compute_lock_path: str | None = None
+    """A lock file the stages on one host share: each takes it around every llama_decode, so only one
+    computes at a time, on all its threads, where two at once would run more threads than the host has
+    cores (they would wait for each other's descheduled threads at every barrier of the graph). The local
+    launcher (``up``, ``demo``, ``bench``) sets it for such splits; unset: no lock (a stage alone on its
+    host, or stages that fit its cores together)."""
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on this port; unset: no metrics endpoint."""
     cpu_wake_latency_us: int | None = None
@@ -758,8 +767,6 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.http_port is not None and cfg.layer_start != 0:
         raise _fail(cfg, "http_port", cfg.http_port, "is served by the head stage only (layer_start=0)")
     _require_int(cfg, "admission_queue", 0)
-    if cfg.max_inflight > cfg.lane_count:
-        raise _fail(cfg, "max_inflight", cfg.max_inflight, f"must be <= lane_count={cfg.lane_count}")
     for name in ("admission_wait_s", "downstream_ready_timeout_s"):
         wait = getattr(cfg, name)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 86400:
@@ -830,6 +837,9 @@ def _validate(cfg: StageConfig) -> None:
     if cfg.selected_device == "":
         raise _fail(cfg, "selected_device", cfg.selected_device, "must name a backend device (skippy-stage info lists them)")
     _require_str(cfg, "cache_dir", optional=True)
+    _require_str(cfg, "compute_lock_path", optional=True)
+    if cfg.compute_lock_path == "":
+        raise _fail(cfg, "compute_lock_path", cfg.compute_lock_path, "must name a file (or be unset)")
     _require_str(cfg, "wire_dtype", choices=WIRE_DTYPES)
     if cfg.hop_transport == "unary":
         raise _fail(cfg, "hop_transport", cfg.hop_transport,

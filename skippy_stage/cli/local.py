@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -144,18 +145,34 @@ def pipeline_configs(model: str, ranges: list[tuple[int, int]], *, host: str, po
         cfg.update({k: v for k, v in extra.items() if k != "run_id"})
         cfg.update(links[i])
         configs.append(cfg)
-    if "prefill_chunks_in_flight" not in extra and oversubscribed(configs):
-        configs[0]["prefill_chunks_in_flight"] = 1
+    if "compute_lock_path" not in extra and oversubscribed(configs):
+        for cfg in configs:
+            cfg["compute_lock_path"] = str(launcher_lock(ports[0]))
     return configs
 
 
+def launcher_lock(port: int) -> Path:
+    """The compute lock file of the split whose head listens on ``port`` (``oversubscribed``)."""
+    return Path(tempfile.gettempdir()) / f"skippy-stage-{os.getuid()}-{port}.compute.lock"
+
+
+def remove_launcher_locks(configs: list[dict[str, object]]) -> None:
+    """Remove the compute lock files :func:`pipeline_configs` named for ``configs`` (an operator's
+    own lock file stays: other processes may hold it)."""
+    for cfg in configs:
+        lock, bind = cfg.get("compute_lock_path"), str(cfg.get("bind_addr", ""))
+        port = bind.rpartition(":")[2]
+        if cfg.get("stage_index") == 0 and port.isdigit() and lock == str(launcher_lock(int(port))):
+            Path(lock).unlink(missing_ok=True)
+
+
 def oversubscribed(configs: list[dict[str, object]]) -> bool:
-    """Whether stages on one host would run more prompt threads at once than it has cores, were two of
-    them to compute at the same time. Then a prompt's chunks go one at a time (the head's
-    ``prefill_chunks_in_flight`` 1): two stages computing chunks together, each bound to every core,
-    wait for each other's threads at every barrier of the graph. Measured with a 3-stage SmolLM2
-    split on 2 cores (2 threads each, an AMD EPYC): a 1,025-token prompt's first token came after
-    4.3 s with one chunk in flight and 8.8-11.7 s with four; with four over 10 ms links, 6.9-7.7 s."""
+    """Whether stages on one host would run more threads at once than it has cores, were two of them
+    to compute at the same time. Then they share a compute lock (``compute_lock_path``) and take
+    turns: two stages computing together, each bound to every core, wait for each other's threads at
+    every barrier of the graph. Measured with a 3-stage SmolLM2 split on 2 cores (2 threads each, an
+    AMD EPYC), a prompt's chunks in flight without the lock: a 1,025-token prompt's first token
+    came after 4.3 s with one chunk in flight and 8.8-11.7 s with four."""
     cores = os.cpu_count() or 1
     threads = [int(cfg.get("n_threads_batch") or cfg.get("n_threads") or cores) for cfg in configs]
     return len(configs) > 1 and sum(sorted(threads)[-2:]) > cores
@@ -327,3 +344,4 @@ class LocalPipeline:
             self.links.close()
         for f in self.log_files:
             f.close()
+        remove_launcher_locks(self.configs)

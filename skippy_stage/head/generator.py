@@ -28,6 +28,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from skippy_stage.config import SpeculativeConfig
 from skippy_stage.errors import ConfigError, InvalidFieldError, InvalidRequestError
 from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, SpeculativeRequest
+from skippy_stage.head.inflight import BatchCount
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.recording import ScheduleRecorder
 from skippy_stage.head.scheduler import Scheduler, SchedulerLimits
@@ -214,7 +215,7 @@ class Generator:
         self.scheduler = Scheduler(
             SchedulerLimits(
                 lane_count=cfg.lane_count, kv_pool_tokens=runtime.n_ctx, max_context=runtime.cells_per_lane,
-                n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, max_inflight=cfg.max_inflight,
+                n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, max_inflight=min(cfg.max_inflight, cfg.lane_count),
                 max_queue=cfg.admission_queue, max_queue_wait_s=cfg.admission_wait_s,
                 step_timeout_s=stage.timeouts.step_s, recovery_wait_s=cfg.recovery_wait_s,
                 stream_interval_s=cfg.stream_interval_ms / 1e3, window_depth=cfg.verify_window_depth,
@@ -232,6 +233,7 @@ class Generator:
             on_speculation=on_speculation,
             on_stale=metrics.spec_stale.inc,
             lone=self._lone(stage, runtime),
+            batch_count=self._batch_count(stage),
             **self._prefix_cache(stage, runtime),
         )
         template = runtime.tokenizer.metadata("tokenizer.chat_template")
@@ -244,6 +246,17 @@ class Generator:
             if template
             else None
         )
+
+    @staticmethod
+    def _batch_count(stage: Stage) -> BatchCount:
+        """The measured count of batches in flight (``inflight``): the stage count as the head's share
+        of the model's layers says (an even split's), the ring as that many links like the first."""
+        cfg = stage.config
+        stages = max(1, round(stage.model_layers / max(1, cfg.layer_end - cfg.layer_start))) \
+            if stage.model_layers else 1
+        return BatchCount(cap=min(cfg.max_inflight, cfg.lane_count), stages=stages,
+                          shared_cores=cfg.compute_lock_path is not None,
+                          ring_s=lambda: stage.downstream_rtt().median_s * stages / 2)
 
     @staticmethod
     def _lone(stage: Stage, runtime: StageRuntime):

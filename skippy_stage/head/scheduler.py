@@ -44,6 +44,7 @@ from skippy_stage.errors import (
     UnknownSessionError,
     is_prefix_miss,
 )
+from skippy_stage.head.inflight import BatchCount
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.step_plan import chain_prefill, chain_window, live_windows, plan_step, prefill_ahead
 from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
@@ -131,11 +132,13 @@ class Scheduler:
                  on_recovery: Callable[[], None] = lambda: None,
                  on_speculation: Callable[[int, int], None] = lambda drafted, accepted: None,
                  on_stale: Callable[[int], None] = lambda rows: None,
-                 lone: LoneFn | None = None, send: SendFn | None = None, release: ReleaseFn | None = None) -> None:
+                 lone: LoneFn | None = None, send: SendFn | None = None, release: ReleaseFn | None = None,
+                 batch_count: BatchCount | None = None) -> None:
         """``retire`` and ``prefixes`` turn the prefix cache on: a finished session is retired on
         every stage (its KV kept under its id) instead of dropped, and a new one starts from the
         resident prefix sharing most of its prompt. ``release``: finished sessions end in band
-        (``_free``); ``drop`` and ``retire`` stay the calls for the rest."""
+        (``_free``); ``drop`` and ``retire`` stay the calls for the rest. ``batch_count``: how many of
+        the ``max_inflight`` workers take new sessions, measured (``inflight``); unset, all of them."""
         self.limits = limits
         self._retire = retire
         self.prefixes = prefixes if retire is not None else None
@@ -150,6 +153,7 @@ class Scheduler:
         self._lone = lone
         self._drop = drop
         self._release = release
+        self.batch_count = batch_count
         self._is_eog = is_eog
         self.log = log.bind(stage_id=stage_id)
         self._cond = threading.Condition()
@@ -161,11 +165,18 @@ class Scheduler:
         self._batch_ids = itertools.count()
         self._local = threading.local()
         self.steps = 0
-        self._workers = [
-            threading.Thread(target=self._run, args=(i,), name=f"scheduler-{i}", daemon=True)
-            for i in range(limits.max_inflight)
-        ]
-        for worker in self._workers:
+        # With a measured count, a worker starts only once it is wanted: an idle one still costs the
+        # head's steps (measured: 16 sessions on loopback, 12% fewer tokens/s with 1 of 4 admitting).
+        self._workers: list[threading.Thread] = []
+        with self._cond:
+            self._start_workers(limits.max_inflight if batch_count is None else 1)
+
+    def _start_workers(self, count: int) -> None:
+        """Workers up to ``count`` running (under ``_cond``)."""
+        while len(self._workers) < min(count, self.limits.max_inflight):
+            worker = threading.Thread(target=self._run, args=(len(self._workers),),
+                                      name=f"scheduler-{len(self._workers)}", daemon=True)
+            self._workers.append(worker)
             worker.start()
 
     # -- the client side -------------------------------------------------------------
@@ -197,6 +208,8 @@ class Scheduler:
             if waiting + len(family) - 1 >= self.limits.max_queue + free_lanes:
                 raise self._capacity(f"admission queue is full ({self.limits.max_queue} sessions waiting for a lane)")
             self._waiting.append(task)
+            if self.batch_count is not None:
+                self._start_workers(self.batch_count.count())
             self._cond.notify_all()
 
     def queue_depth(self) -> int:
@@ -219,7 +232,9 @@ class Scheduler:
             self._cond.notify_all()
         for task in (member for leader in waiting for member in (leader, *leader.forks)):
             task.events.put(Failed(CapacityError("the head is shutting down; retry on another replica")))
-        for worker in self._workers:
+        with self._cond:
+            workers = list(self._workers)
+        for worker in workers:
             worker.join(timeout=self.limits.step_timeout_s)
 
     def _capacity(self, why: str) -> CapacityError:
@@ -229,9 +244,18 @@ class Scheduler:
 
     # -- the worker side -------------------------------------------------------------
 
-    def _admit_locked(self, group: list[Task]) -> None:
+    def _admit_locked(self, index: int, group: list[Task]) -> None:
+        """Admit waiting sessions into worker ``index``'s ``group`` while there is room, up to its
+        fair share of the batches in flight (``batch_count``): a worker that woke first would
+        otherwise take every session that came at once, and the other batches would run empty. A
+        worker beyond the count takes none (what it runs, it finishes)."""
+        batches = self.limits.max_inflight if self.batch_count is None else self.batch_count.count()
+        if index >= batches:
+            return
         now = time.monotonic()
         active = sum(len(g) for g in self._groups)
+        wanted = active + sum(1 + len(t.forks) for t in self._waiting)
+        share = -(-min(wanted, self.limits.lane_count) // batches)
         while self._waiting:
             task = self._waiting[0]
             family = [task, *task.forks]
@@ -247,6 +271,8 @@ class Scheduler:
                     member.events.put(Failed(self._capacity(f"waited {now - task.enqueued_at:.1f}s for a lane "
                                                             f"(admission_wait_s={self.limits.max_queue_wait_s})")))
                 continue
+            if group and len(group) + len(family) > share:
+                return  # another worker's (it was woken with this one)
             reserve = sum(member.reserve(self.limits.max_context) for member in family)
             if active + len(family) > self.limits.lane_count or self._reserved + reserve > self.limits.kv_pool_tokens:
                 return
@@ -295,7 +321,7 @@ class Scheduler:
                     self._release_locked(group, task)
                 closing = self._closed and not group
                 if not closing:
-                    self._admit_locked(group)
+                    self._admit_locked(index, group)
                 batch = list(group)
                 if not batch and not finished and not closing:
                     self._asleep += 1
@@ -511,7 +537,12 @@ class Scheduler:
                         task.samples += 1
                         self._record(task, token, fed_now=True)
             else:
-                response = self._step(request, self.limits.step_timeout_s)
+                if self.batch_count is None:
+                    response = self._step(request, self.limits.step_timeout_s)
+                else:
+                    started = time.perf_counter()
+                    response = self._step(request, self.limits.step_timeout_s)
+                    self.batch_count.step(time.perf_counter() - started)
         except SkippyError as exc:
             self._step_failed(exc, request.request_id, plan, recorded)
             return

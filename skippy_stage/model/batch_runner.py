@@ -22,6 +22,7 @@ from skippy_stage.config import StageConfig
 from skippy_stage.errors import CapacityError, InvalidRequestError, RuntimeFailure, SessionStateError
 from skippy_stage.model.batch import BatchEntry, CheckedEntry, EntryResult, check_batch
 from skippy_stage.model.capture import Capture
+from skippy_stage.model.compute_lock import ComputeLock
 from skippy_stage.model.digest import logit_digest
 from skippy_stage.model.lanes import Admission, LaneTable, SessionOwner
 from skippy_stage.model.logprobs import TokenLogprob, log_softmax, token_logprob
@@ -59,6 +60,7 @@ class BatchRunner:
     n_embd: int
     cuttable: bool
     _compute: threading.Lock
+    _host_lock: ComputeLock | None  # the host's, around each decode (``compute_lock``)
     _ctx: llama_cpp.llama_context_p
     _mem: llama_cpp.llama_memory_t
     _vocab: llama_cpp.llama_vocab_p
@@ -167,7 +169,11 @@ class BatchRunner:
             self._capture.reset()
 
         tracing.mark("d0")
-        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if self._host_lock is None:
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        else:
+            with self._host_lock:
+                rc = llama_cpp.llama_decode(self._ctx, self._batch)
         tracing.mark("d1")
         if rc != 0:
             raise decode_error(rc, offset)

@@ -39,6 +39,7 @@ from skippy_stage.model import llama_ffi, loader, threadpool
 from skippy_stage.model.batch import BatchEntry, EntryResult
 from skippy_stage.model.batch_runner import BatchRunner, _SessionSampler, decode_error
 from skippy_stage.model.capture import Capture, LayerTap, NativeCapture, make_capture
+from skippy_stage.model.compute_lock import ComputeLock
 from skippy_stage.model.kv_page import KvPage, KvPageDesc
 from skippy_stage.model.lanes import LaneStats, LaneTable
 from skippy_stage.model.logprobs import TokenLogprob
@@ -110,6 +111,9 @@ class StageRuntime(BatchRunner, SessionKv):
         self._equal_split = not config.kv_unified
         self._alloc_batch()
         self._compute = threading.Lock()
+        # Taken inside ``_compute``, around the decode alone (``compute_lock``).
+        self._host_lock = None if config.compute_lock_path is None else ComputeLock(
+            config.compute_lock_path, stage_id=config.stage_id)
         # A recurrent state cannot be cut back. And in a unified KV pool a resident prefix's cells sit
         # among the live sessions' and llama.cpp's vectorised attention sums round differently
         # (README, kv_unified): requests that never touch the prefix would stop matching the unsplit
@@ -250,6 +254,7 @@ class StageRuntime(BatchRunner, SessionKv):
             n_vocab=self.n_vocab, n_batch=min(cfg.n_batch, cfg.n_ubatch), layer_start=cfg.layer_start,
             layer_end=cfg.layer_end, stage_index=cfg.stage_index, equal_split=self._equal_split,
             cells_per_lane=self.lanes.cells_per_lane, kv_pool_tokens=self.lanes.kv_pool_tokens, owner=self,
+            compute_lock_fd=-1 if self._host_lock is None else self._host_lock.fd,
             compute_lock=self._compute, lanes_lock=self.lanes._lock, sessions=self.lanes._sessions,
             resident=self.lanes._resident, histories=self._history, samplers=self._samplers,
         )
@@ -278,3 +283,5 @@ class StageRuntime(BatchRunner, SessionKv):
             if getattr(self, "_model", None):
                 llama_cpp.llama_model_free(self._model)
                 self._model = None
+            if getattr(self, "_host_lock", None) is not None:
+                self._host_lock.close()

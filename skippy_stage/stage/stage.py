@@ -45,6 +45,7 @@ class Stage(FramePath):
     def __init__(self, config: StageConfig, *, max_message_bytes: int) -> None:
         super().__init__(config, max_message_bytes=max_message_bytes)
         self.architecture = ""
+        self.model_layers = 0  # the whole model's, once loaded
         self.credentials = Credentials.from_config(config)
         self.peers = Peers(config, self.credentials)
         # The TCP frame listener's port once it listens (advertised in GetStatus).
@@ -122,7 +123,8 @@ class Stage(FramePath):
 
     def load(self) -> None:
         """Slice (or reuse) the stage file and load it; the slow part of start-up."""
-        self.architecture = read_model_info(self.config.model_path).architecture
+        info = read_model_info(self.config.model_path)
+        self.architecture, self.model_layers = info.architecture, info.block_count
         runtime = StageRuntime(self.config)
         self.shape = StageShape(
             stage_id=self.config.stage_id, stage_index=self.config.stage_index,

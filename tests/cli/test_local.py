@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 from skippy_stage.cli.local import free_ports
 
@@ -170,25 +171,32 @@ def test_a_stage_whose_starter_is_already_gone_stops_at_once():
     assert run.returncode == -15
 
 
-def test_co_located_stages_whose_threads_exceed_the_cores_send_a_prompt_one_chunk_at_a_time(monkeypatch):
-    """Two stages computing chunks at once, each on every core, wait for each other at every barrier:
-    the head of such a split keeps one chunk in flight; stages that fit the cores together keep the
-    default, and an operator's value wins."""
-    from skippy_stage.cli.local import pipeline_configs
-    from skippy_stage.config import StageConfig
+def test_co_located_stages_whose_threads_exceed_the_cores_share_one_compute_lock(monkeypatch, tmp_path):
+    """Two stages computing at once, each on every core, wait for each other's threads at every
+    barrier: every stage of such a split gets the same lock file, so they take turns; stages that fit
+    the cores together get none; an operator's value wins. The pipeline removes the file when it
+    stops."""
+    from skippy_stage.cli.local import pipeline_configs, remove_launcher_locks
 
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     ranges = [(0, 10), (10, 20), (20, 30)]
 
-    def head(**extra):
-        return pipeline_configs("m.gguf", ranges, host="127.0.0.1", ports=[1, 2, 3], extra=extra)[0]
+    def locks(**extra):
+        configs = pipeline_configs("m.gguf", ranges, host="127.0.0.1", ports=[5, 6, 7], extra=extra)
+        return {cfg.get("compute_lock_path") for cfg in configs}
 
-    default = StageConfig.__dataclass_fields__["prefill_chunks_in_flight"].default
-    assert default > 1
-    assert head(n_threads=4)["prefill_chunks_in_flight"] == 1
-    assert head(n_threads=3)["prefill_chunks_in_flight"] == 1  # 3 + 3 threads on 4 cores
-    assert "prefill_chunks_in_flight" not in head(n_threads=2)  # 2 + 2: the default
-    assert "prefill_chunks_in_flight" not in head(n_threads=1, n_threads_batch=2)
-    assert head(n_threads=1, n_threads_batch=4)["prefill_chunks_in_flight"] == 1  # a prompt's threads count
-    assert head()["prefill_chunks_in_flight"] == 1  # unset: every core, as a stage has it
-    assert head(n_threads=4, prefill_chunks_in_flight=3)["prefill_chunks_in_flight"] == 3
+    (shared,) = locks(n_threads=4)
+    assert shared is not None and shared.endswith(".compute.lock") and "-5." in shared
+    assert locks(n_threads=3) == {shared}  # 3 + 3 threads on 4 cores
+    assert locks(n_threads=2) == {None}  # 2 + 2: they fit
+    assert locks(n_threads=1, n_threads_batch=2) == {None}
+    assert locks(n_threads=1, n_threads_batch=4) == {shared}  # a prompt's threads count
+    assert locks() == {shared}  # unset: every core, as a stage has it
+    assert locks(n_threads=4, compute_lock_path=None) == {None}
+
+    own = tmp_path / "operator.lock"
+    own.write_text("")
+    configs = pipeline_configs("m.gguf", ranges, host="127.0.0.1", ports=[5, 6, 7], extra={"n_threads": 4})
+    Path(shared).write_text("")
+    remove_launcher_locks([*configs, {"stage_index": 0, "bind_addr": "127.0.0.1:9", "compute_lock_path": str(own)}])
+    assert not Path(shared).exists() and own.exists(), "the launcher's lock goes, an operator's stays"

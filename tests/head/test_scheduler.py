@@ -21,6 +21,7 @@ from support.waiting import eventually
 
 from skippy_stage.errors import CapacityError, DownstreamError, InvalidFieldError, PrefixMissError, SkippyError
 from skippy_stage.head import scheduler as scheduler_module
+from skippy_stage.head.inflight import BatchCount
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import Scheduler, SchedulerLimits
 from skippy_stage.head.tasks import End, Failed, PromptLogprobs, Task, Tokens
@@ -124,11 +125,11 @@ def make_scheduler():
     """``(chain, **limits) -> Scheduler`` over the fake chain; every one is closed afterwards."""
     made: list[tuple[Scheduler, FakeChain]] = []
 
-    def make(chain: FakeChain, **limits: object) -> Scheduler:
+    def make(chain: FakeChain, batch_count: BatchCount | None = None, **limits: object) -> Scheduler:
         values: dict[str, object] = {"lane_count": 4, "kv_pool_tokens": 100_000, "max_context": 10_000,
                                      "n_batch": 512, "n_ubatch": 512, "step_timeout_s": WAIT_S, **limits}
         scheduler = Scheduler(SchedulerLimits(**values), step=chain.step, drop=chain.drop,
-                              is_eog=lambda token: token == EOG)
+                              is_eog=lambda token: token == EOG, batch_count=batch_count)
         made.append((scheduler, chain))
         return scheduler
 
@@ -558,6 +559,60 @@ def test_max_inflight_one_keeps_a_second_task_off_the_wire_until_the_step_return
     chain.gate.set()
     assert outcome(b) == (expected_tokens(b), End("length"))
     assert chain.max_in_flight == 1
+
+
+def measured_count(ring_share: float, cap: int) -> BatchCount:
+    """A count of batches as the head measures it, its ring ``ring_share`` of whatever a step of the
+    fake chain takes (so the count does not depend on this machine's speed)."""
+    batches = BatchCount(cap=cap, stages=3, shared_cores=True, ring_s=lambda: batches.step_s * ring_share)
+    batches.step(0.09)
+    return batches
+
+
+def scheduler_workers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("scheduler-")}
+
+
+def test_sessions_that_come_at_once_are_shared_fairly_between_the_batches_in_flight(make_scheduler):
+    """With two batches worth keeping in flight (links a third of a step), six sessions become two
+    batches of at most three on the wire at once — not one worker's group of five and another's of one."""
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=6, max_inflight=4, batch_count=measured_count(1 / 3, cap=4))
+    tasks = [make_task(f"s{i}", 2, 4) for i in range(6)]
+    for task in tasks:
+        scheduler.submit(task)
+    chain.next_request()
+    chain.next_request()
+    chain.gate.set()
+    for task in tasks:
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    chain.wait_dropped(*(t.session_id for t in tasks))
+    assert chain.max_in_flight == 2
+    groups = chain.sessions_per_request()
+    assert max(len(g) for g in groups) == 3, groups
+
+
+def test_where_one_batch_is_enough_one_worker_runs_every_session_in_one_batch(make_scheduler):
+    """On loopback (the ring a few percent of a step) the head keeps one batch, and starts no more
+    workers than that: an idle worker still costs its steps."""
+    chain = FakeChain()
+    chain.gate.clear()
+    before = scheduler_workers()
+    scheduler = make_scheduler(chain, lane_count=4, max_inflight=4, batch_count=measured_count(0.02, cap=4))
+    tasks = [make_task(f"t{i}", 2, 3) for i in range(4)]
+    scheduler.submit(tasks[0])
+    chain.next_request()
+    for task in tasks[1:]:
+        scheduler.submit(task)
+    with pytest.raises(queue.Empty):
+        chain.next_request(timeout=0.2)
+    assert len(scheduler_workers() - before) == 1
+    chain.gate.set()
+    for task in tasks:
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    assert chain.max_in_flight == 1
+    assert {"t0", "t1", "t2", "t3"} in chain.sessions_per_request()
 
 
 def test_close_fails_queued_tasks_refuses_new_ones_and_lets_admitted_ones_finish(make_scheduler):

@@ -60,7 +60,7 @@ class _Pipeline:
         ports = free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
         configs = pipeline_configs(str(model), ranges, host="127.0.0.1", ports=ports, extra={
-            "n_threads": threads, "lane_count": 8, "ctx_size": 8 * 2048, "max_inflight": 1, "cache_dir": cache_dir,
+            "n_threads": threads, "lane_count": 8, "ctx_size": 8 * 2048, "cache_dir": cache_dir,
             **({"hop_transport": transport} if transport else {}),
             **({} if prefix_cache else {"cache_idle_slots": 0}),
             **({} if kv_unified is None else {"kv_unified": kv_unified}),

@@ -106,10 +106,8 @@ def _wan(model: Path, workdir: Path, cache_dir: str, setup: WanSetup) -> dict[st
     measured and whether the outputs are the zero-delay pipeline's."""
     (workdir / "wan").mkdir()
     lanes = max(WAN_CONCURRENCY)
-    # lane_count for the most concurrent sessions; max_inflight as a stage has it by default (the
-    # other sections hold it at 1).
-    extra = {"lane_count": lanes, "ctx_size": lanes * CELLS_PER_LANE,
-             "max_inflight": StageConfig.__dataclass_fields__["max_inflight"].default}
+    # lane_count for the most concurrent sessions (max_inflight as a stage has it by default).
+    extra = {"lane_count": lanes, "ctx_size": lanes * CELLS_PER_LANE}
     ttft_prompt = _prefill_prompt(model, cache_dir, TTFT_TOKENS)
     pipelines: dict[str, _Pipeline] = {}
     quiet = QuietClient()

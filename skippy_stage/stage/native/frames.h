@@ -117,6 +117,7 @@ typedef struct {
     PyObject *routes;                 /* inner stage: Stage.routes (claim: a key replies come back under) */
     void *ctx, *mem;
     decode_fn decode;
+    int compute_lock_fd;              /* the host's compute lock (flock'd around decode), or -1 */
     logits_ith_fn logits_ith;
     seq_rm_fn seq_rm;
     batch_t batch;

@@ -11,7 +11,24 @@
 #include <limits.h>
 #include <math.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/socket.h>
+
+/* One llama_decode, under the host's compute lock where co-located stages share one
+ * (``compute_lock_path``): only one of them computes at a time, on all its threads. A lock that
+ * cannot be taken (it never fails on a file this process opened) leaves the decode unlocked: the
+ * lock is for speed, never for correctness. Called without the GIL. */
+static int32_t locked_decode(FramePath *self, batch_t batch) {
+    int locked = 0;
+    if (self->compute_lock_fd >= 0) {
+        int r;
+        while ((r = flock(self->compute_lock_fd, LOCK_EX)) < 0 && errno == EINTR) {}
+        locked = r == 0;
+    }
+    int32_t rc = self->decode(self->ctx, batch);
+    if (locked) flock(self->compute_lock_fd, LOCK_UN);
+    return rc;
+}
 
 /* -- helpers on Python objects ----------------------------------------------------------------- */
 
@@ -201,7 +218,7 @@ PyObject *sk_run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObject *s
     int32_t rc;
     Py_BEGIN_ALLOW_THREADS
     marks[1] = sk_now_unix_ns();
-    rc = self->decode(self->ctx, batch);
+    rc = locked_decode(self, batch);
     if (rc == 0 && self->final) {
         for (int j = 0; j < fr->n; j++) {
             float *logits = self->logits_ith(self->ctx, fr->entries[j].row);
@@ -496,7 +513,7 @@ static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
                             "capture", "token", "n_embd", "n_vocab", "n_batch", "layer_start", "layer_end",
                             "stage_index", "equal_split", "cells_per_lane", "kv_pool_tokens", "hop_timeout_s", "owner",
                             "compute_lock", "lanes_lock", "sessions", "resident", "histories", "samplers", "routes",
-                            "classify", "stage_id", NULL};
+                            "classify", "stage_id", "compute_lock_fd", NULL};
 #define DECLARE(name, optional) PyObject *name##_arg; void *name;
     FRAMEPATH_POINTERS(DECLARE)
 #undef DECLARE
@@ -505,13 +522,14 @@ static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     double hop_timeout_s;
     PyObject *owner, *compute_lock, *lanes_lock, *sessions, *resident, *histories, *samplers, *routes, *classify,
         *stage_id;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOOOiiiiiiplldOOOO!O!O!O!OOS", names, &ctx_arg, &mem_arg,
+    int compute_lock_fd = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOOOiiiiiiplldOOOO!O!O!O!OOS|i", names, &ctx_arg, &mem_arg,
                                      &decode_arg, &logits_ith_arg, &seq_rm_arg, &batch_arg, &pos_arg, &seq_arg,
                                      &out_arg, &embd_arg, &capture_arg, &token_arg, &n_embd, &n_vocab, &n_batch,
                                      &layer_start, &layer_end, &stage_index, &equal_split, &cells_per_lane,
                                      &kv_pool_tokens, &hop_timeout_s, &owner, &compute_lock, &lanes_lock, &PyDict_Type,
                                      &sessions, &PyDict_Type, &resident, &PyDict_Type, &histories, &PyDict_Type,
-                                     &samplers, &routes, &classify, &stage_id))
+                                     &samplers, &routes, &classify, &stage_id, &compute_lock_fd))
         return -1;
 #define CONVERT(name, optional) \
     if (capsule_pointer(name##_arg, #name, optional, &name) < 0) return -1;
@@ -557,6 +575,7 @@ static int FramePath_init(FramePath *self, PyObject *args, PyObject *kw) {
     self->ctx = ctx;
     self->mem = mem;
     self->decode = (decode_fn)(uintptr_t)decode; /* a function's address, as ctypes gave it */
+    self->compute_lock_fd = compute_lock_fd < 0 ? -1 : compute_lock_fd;
     self->logits_ith = (logits_ith_fn)(uintptr_t)logits_ith;
     self->seq_rm = (seq_rm_fn)(uintptr_t)seq_rm;
     memcpy(&self->batch, batch, sizeof(batch_t));
