@@ -59,7 +59,7 @@ def test_head_only_fields_go_to_the_head_and_one_key_of_an_object_can_be_set():
     ("repack=yes", "repack='yes' must be true or false"),
     ("lane_count=0", "lane_count=0 must be >= 1"),
     ("cache_type_k=q9", "parse cache_type_k for stage-0: 'q9'"),
-    ("stage-1.max_inflight=8", "max_inflight=8 must be <= lane_count=4"),
+    ("stage-1.max_inflight=0", "max_inflight=0 must be >= 1"),
     ("speculative.k=99", "speculative.k=99"),
     ("layer_end=12", "layer_end is wired by the command itself"),
     ("downstream=null", "downstream is wired by the command itself"),
