@@ -179,6 +179,8 @@ class StageMetrics:
                 ("kv_cells_used", "KV cells held by sessions"),
                 ("kv_cells_total", "KV cells in the pool admission counts against"),
                 ("queue_depth", "Sessions waiting for admission at the head"),
+                ("batches_in_flight", "Head: batches it keeps in flight now, from the measured step time and link "
+                 "latency (at most max_inflight)"),
                 ("resident_prefixes", "Finished sessions' KV kept as resident prefixes"),
                 ("downstream_rtt_seconds", "Round trip to the downstream over its link: median of the last health "
                  "probes' answers (0 until one is answered)"),

@@ -212,6 +212,10 @@ class Scheduler:
                 self._start_workers(self.batch_count.count())
             self._cond.notify_all()
 
+    def batches(self) -> int:
+        """How many batches the head keeps in flight now (``batch_count``; else every worker)."""
+        return self.limits.max_inflight if self.batch_count is None else self.batch_count.count()
+
     def queue_depth(self) -> int:
         with self._cond:
             return len(self._waiting)
@@ -249,7 +253,7 @@ class Scheduler:
         fair share of the batches in flight (``batch_count``): a worker that woke first would
         otherwise take every session that came at once, and the other batches would run empty. A
         worker beyond the count takes none (what it runs, it finishes)."""
-        batches = self.limits.max_inflight if self.batch_count is None else self.batch_count.count()
+        batches = self.batches()
         if index >= batches:
             return
         now = time.monotonic()

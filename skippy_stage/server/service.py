@@ -131,6 +131,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 self._generator = Generator(self.stage, self._drafters)
                 self._drafters = None  # the generator owns them now
                 self.stage.metrics.gauge_from("queue_depth", self._generator.scheduler.queue_depth)
+                self.stage.metrics.gauge_from("batches_in_flight", self._generator.scheduler.batches)
             return self._generator
 
     def load_drafters(self) -> None:

@@ -26,6 +26,8 @@ def test_stages_export_request_batch_hop_lane_and_wire_metrics(smollm2, start_pi
         assert value(m, "skippy_kv_cells_total") == 4 * 2048  # the pipeline fixture's ctx_size: 2048 for each of 4 lanes
         assert value(m, "skippy_lanes_active") == 0
         assert value(m, "skippy_queue_depth") == 0
+        # 2 stages with a core each: about one batch per stage (the cap is max_inflight, 4 by default)
+        assert 1 <= value(m, "skippy_batches_in_flight") <= 4
         below = eventually(lambda: scrape(metrics_ports[1]),
                            lambda b: min(value(b, "skippy_requests_total", rpc="Frame", code="OK"),
                                          value(b, "skippy_hop_latency_seconds_count")) >= 8)
