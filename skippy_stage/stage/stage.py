@@ -22,7 +22,7 @@ import time
 from skippy_stage.config import PeerConfig, StageConfig
 from skippy_stage.errors import DownstreamError
 from skippy_stage.model.runtime import StageRuntime
-from skippy_stage.model.slicing import read_model_info
+from skippy_stage.model.slicing import read_model_info, slice_metadata
 from skippy_stage.security import Credentials
 from skippy_stage.stage import native_frames
 from skippy_stage.stage.downstream import DownstreamClient, HealthProbe, LocalDownstream
@@ -124,7 +124,9 @@ class Stage(FramePath):
     def load(self) -> None:
         """Slice (or reuse) the stage file and load it; the slow part of start-up."""
         info = read_model_info(self.config.model_path)
-        self.architecture, self.model_layers = info.architecture, info.block_count
+        sliced = slice_metadata(self.config.model_path)  # a stage file given as is: the model's count
+        self.architecture = info.architecture
+        self.model_layers = int(sliced["source_block_count"]) if sliced else info.block_count
         runtime = StageRuntime(self.config)
         self.shape = StageShape(
             stage_id=self.config.stage_id, stage_index=self.config.stage_index,
