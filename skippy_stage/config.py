@@ -42,6 +42,13 @@ WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
 # header carries a 32-bit length).
 MAX_MESSAGE_BYTES = 2**31 - 1
 HOP_TRANSPORTS = ("tcp", "stream")
+# checkpoint_quantization: "preserve" (serve the slice as the GGUF holds it) or the llama.cpp file types a
+# stage can requantize its slice to (llama_ftype LLAMA_FTYPE_MOSTLY_<name>, named as llama-quantize names them).
+CHECKPOINT_QUANTIZATIONS = (
+    "preserve", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1",
+    "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "Q2_K",
+    "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "TQ2_0", "TQ1_0",
+)
 # The largest CPU latency the kernel's QoS takes (its "no request" value).
 WAKE_LATENCY_MAX_US = 2_000_000_000
 # llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences (lanes) than this.
@@ -52,6 +59,9 @@ MAX_SESSION_ID_LEN = 256
 MAX_STREAM_INTERVAL_MS = 1000
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://")
+_SHA256 = re.compile(r"[0-9A-Fa-f]{64}")
+# Where a layer package may be fetched from (besides a plain directory).
+PACKAGE_SCHEMES = ("file", "http", "https")
 _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
 
 
@@ -291,7 +301,8 @@ class StageConfig:
 
     model_path: str
     """The GGUF of the whole model (sliced to this stage's range at start, cached), or with
-    ``load_mode: artifact-slice`` a stage file ``skippy-stage slice`` wrote."""
+    ``load_mode: artifact-slice`` a stage file ``skippy-stage slice`` wrote. With ``package_ref`` it is
+    not read and may be left unset: the stage points it at the model's header fetched from the package."""
     stage_id: str
     """This stage's name: in logs, metrics, status, every error message, and its neighbours' configs."""
     stage_index: int
@@ -367,7 +378,29 @@ class StageConfig:
     ``{"backend_device": NAME, ...}``; unset: llama.cpp's own choice."""
     load_mode: str = "runtime-slice"
     """runtime-slice: slice ``model_path`` to this range at start (cached); artifact-slice:
-    ``model_path`` is already the stage file; layer-package: refused (offline-only in the seed)."""
+    ``model_path`` is already the stage file, or with ``package_ref`` the stage file is assembled from the
+    package's parts; layer-package: refused (offline-only in the seed)."""
+    package_ref: str | None = None
+    """A layer package (``skippy-stage package`` writes one) to load this stage from: its directory, or a
+    ``file://`` or ``http(s)://`` URL of it. The stage fetches the manifest, then only the parts its layer
+    range needs (resumably, each checked against its sha256 in the manifest) into ``cache_dir``, where the
+    stages of one host share them, and assembles its stage file from them. Needs ``manifest_sha256`` and
+    ``load_mode: artifact-slice``. Unset: the stage loads ``model_path``."""
+    manifest_sha256: str | None = None
+    """With ``package_ref``: the sha256 of the package's ``manifest.json`` (``skippy-stage package`` prints
+    it). A manifest that does not match is refused, and the manifest names every part's sha256, so this
+    one value pins every byte the stage loads."""
+    checkpoint_quantization: str = "preserve"
+    """preserve: serve the layers as the GGUF holds them. A llama.cpp type (``Q8_0``, ``Q6_K``, ``Q5_K_M``,
+    ``Q4_K_M``, ``Q4_0``, ``IQ4_XS``, ``IQ2_XXS``, ...): at load the stage quantizes its own slice with
+    ``llama_model_quantize`` into ``cache_dir`` (reused afterwards), giving every tensor the type the whole
+    model's quantization to that type gives it, so a pipeline quantized stage by stage computes what the
+    whole model quantized once computes. Stages of one pipeline may use different types."""
+    checkpoint_imatrix: str | None = None
+    """A llama.cpp importance matrix (the GGUF ``llama-imatrix`` writes) for ``checkpoint_quantization``;
+    the IQ1/IQ2 types (and ``IQ3_XXS``, ``Q2_K_S``) need one. Needs ``checkpoint_imatrix_sha256``."""
+    checkpoint_imatrix_sha256: str | None = None
+    """The sha256 of ``checkpoint_imatrix``, checked before it is used."""
     bind_addr: str = "127.0.0.1:0"
     """Where the gRPC service listens (``host:port`` or ``tcp://host:port``; port 0: any). An address
     other hosts can reach needs a token or TLS (see ``allow_insecure``)."""
@@ -521,6 +554,8 @@ class StageConfig:
             raise ConfigError(f"stage config must be a JSON object, got {type(data).__name__}")
         stage_id = str(data.get("stage_id", "<unnamed>"))
         data = {k: v for k, v in data.items() if v is not None}
+        if "package_ref" in data and "model_path" not in data:
+            data["model_path"] = ""  # a package stage's model comes from the package
         for name in sorted(set(data) & set(SEED_ONLY_FIELDS)):
             _check_seed_only(stage_id, name, data.pop(name))
         if "selected_device" in data:
@@ -599,7 +634,8 @@ SEED_FIELDS = frozenset((
     "ctx_size", "lane_count", "n_batch", "n_ubatch", "n_threads", "n_threads_batch", "n_gpu_layers", "mmap", "mlock",
     "direct_io", "repack", "check_tensors", "no_host_buffer", "op_offload", "cache_type_k", "cache_type_v",
     "flash_attn_type", "kv_offload", "kv_unified", "swa_full", "cache_idle_slots", "split_mode", "main_gpu",
-    "selected_device", "load_mode", "bind_addr", "upstream", "downstream",
+    "selected_device", "load_mode", "bind_addr", "upstream", "downstream", "package_ref", "manifest_sha256",
+    "checkpoint_quantization", "checkpoint_imatrix", "checkpoint_imatrix_sha256",
 ))
 
 
@@ -614,16 +650,11 @@ class SeedOnlyField:
 # spells them at their defaults, so they are accepted there; any other value would ask the
 # stage to do something it cannot, so it is refused by name instead of ignored.
 SEED_ONLY_FIELDS: dict[str, SeedOnlyField] = {
-    "package_ref": SeedOnlyField(None, "layer packages are not supported; point model_path at a GGUF"),
-    "manifest_sha256": SeedOnlyField(None, "layer packages are not supported; point model_path at a GGUF"),
     "source_model_path": SeedOnlyField(None, "set model_path to the GGUF instead"),
     "source_model_sha256": SeedOnlyField(None, "source-model verification is not implemented"),
     "source_model_bytes": SeedOnlyField(None, "source-model verification is not implemented"),
     "materialized_path": SeedOnlyField(None, "materialized layer packages are not supported"),
     "materialized_pinned": SeedOnlyField(False, "materialized layer packages are not supported"),
-    "checkpoint_quantization": SeedOnlyField(None, "SafeTensors checkpoints are not supported; give a GGUF"),
-    "checkpoint_imatrix": SeedOnlyField(None, "SafeTensors checkpoints are not supported; give a GGUF"),
-    "checkpoint_imatrix_sha256": SeedOnlyField(None, "SafeTensors checkpoints are not supported; give a GGUF"),
     "projector_path": SeedOnlyField(None, "multimodal projectors are not supported"),
     "projector_use_gpu": SeedOnlyField(None, "multimodal projectors are not supported"),
     "media_marker": SeedOnlyField(None, "multimodal input is not supported"),
@@ -725,13 +756,68 @@ def _require_str(cfg: StageConfig, name: str, *, optional: bool = False, choices
         raise _fail(cfg, name, value, f"must be one of {', '.join(choices)}")
 
 
+def _validate_package(cfg: StageConfig) -> None:
+    """package_ref and manifest_sha256 travel together, with load_mode artifact-slice."""
+    _require_str(cfg, "package_ref", optional=True)
+    _require_str(cfg, "manifest_sha256", optional=True)
+    if cfg.package_ref is None:
+        if cfg.manifest_sha256 is not None:
+            raise _fail(cfg, "manifest_sha256", cfg.manifest_sha256, "is set without package_ref (the package it pins)")
+        return
+    scheme = _SCHEME.match(cfg.package_ref)
+    if not cfg.package_ref or (scheme is not None and scheme["scheme"].lower() not in PACKAGE_SCHEMES):
+        raise _fail(cfg, "package_ref", cfg.package_ref,
+                    "is not a package directory or a file://, http:// or https:// URL of one")
+    if cfg.manifest_sha256 is None:
+        raise _fail(cfg, "manifest_sha256", None, f"must be set with package_ref={cfg.package_ref!r}: the sha256 of "
+                    "its manifest.json, which `skippy-stage package` prints")
+    if not _SHA256.fullmatch(cfg.manifest_sha256):
+        raise _fail(cfg, "manifest_sha256", cfg.manifest_sha256, "is not a sha256 (64 hex digits)")
+    if cfg.load_mode != "artifact-slice":
+        raise _fail(cfg, "load_mode", cfg.load_mode, f"must be artifact-slice with package_ref={cfg.package_ref!r} "
+                    "(the stage file is assembled from the package's parts)")
+
+
+# The file types whose default tensor type llama.cpp makes only with an importance matrix
+# (llama-quant.cpp's tensor_requires_imatrix).
+IMATRIX_QUANTIZATIONS = ("IQ3_XXS", "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+
+
+def _validate_quantization(cfg: StageConfig) -> None:
+    """checkpoint_quantization names a type this build makes; an imatrix travels with its sha256."""
+    _require_str(cfg, "checkpoint_quantization")
+    if cfg.checkpoint_quantization not in CHECKPOINT_QUANTIZATIONS:
+        raise _fail(cfg, "checkpoint_quantization", cfg.checkpoint_quantization,
+                    f"is not one of {', '.join(CHECKPOINT_QUANTIZATIONS)}")
+    if cfg.checkpoint_quantization != "preserve" and cfg.load_mode != "runtime-slice":
+        # The whole model's type plan needs its header; a stage file or a package's parts lack it.
+        raise _fail(cfg, "checkpoint_quantization", cfg.checkpoint_quantization,
+                    f"needs load_mode runtime-slice (the whole GGUF in model_path), not {cfg.load_mode}")
+    _require_str(cfg, "checkpoint_imatrix", optional=True)
+    _require_str(cfg, "checkpoint_imatrix_sha256", optional=True)
+    if cfg.checkpoint_imatrix is None:
+        if cfg.checkpoint_imatrix_sha256 is not None:
+            raise _fail(cfg, "checkpoint_imatrix_sha256", cfg.checkpoint_imatrix_sha256,
+                        "is set without checkpoint_imatrix (the file it pins)")
+        if cfg.checkpoint_quantization in IMATRIX_QUANTIZATIONS:
+            raise _fail(cfg, "checkpoint_imatrix", None, f"must name an importance matrix: llama.cpp makes "
+                        f"checkpoint_quantization={cfg.checkpoint_quantization} only with one")
+        return
+    if cfg.checkpoint_quantization == "preserve":
+        raise _fail(cfg, "checkpoint_imatrix", cfg.checkpoint_imatrix,
+                    "is set but checkpoint_quantization is preserve (nothing is quantized)")
+    if cfg.checkpoint_imatrix_sha256 is None or not _SHA256.fullmatch(cfg.checkpoint_imatrix_sha256):
+        raise _fail(cfg, "checkpoint_imatrix_sha256", cfg.checkpoint_imatrix_sha256,
+                    f"must be the sha256 (64 hex digits) of checkpoint_imatrix={cfg.checkpoint_imatrix!r}")
+
+
 def _validate(cfg: StageConfig) -> None:
     if not isinstance(cfg.stage_id, str) or not cfg.stage_id:
         raise ConfigError(f"stage_id must be a non-empty string, got {cfg.stage_id!r}")
     for name in ("model_path", "run_id", "topology_id", "model_id"):
         _require_str(cfg, name)
-    if not cfg.model_path:
-        raise _fail(cfg, "model_path", cfg.model_path, "must name a GGUF file")
+    if not cfg.model_path and cfg.package_ref is None:
+        raise _fail(cfg, "model_path", cfg.model_path, "must name a GGUF file (or package_ref a layer package)")
     for name in ("stage_index", "layer_start", "main_gpu"):
         _require_int(cfg, name, 0)
     _require_int(cfg, "n_gpu_layers", -1)  # -1: offload every layer
@@ -856,6 +942,8 @@ def _validate(cfg: StageConfig) -> None:
     _require_str(cfg, "load_mode", choices=LOAD_MODES)
     if cfg.load_mode == "layer-package":
         raise _fail(cfg, "load_mode", cfg.load_mode, "is refused: layer-package schema v1 is offline-only")
+    _validate_package(cfg)
+    _validate_quantization(cfg)
     parse_endpoint(cfg.bind_addr, stage_id=cfg.stage_id, field_name="bind_addr", allow_port_zero=True)
     for side, offset in (("upstream", -1), ("downstream", 1)):
         peer = getattr(cfg, side)

@@ -328,6 +328,39 @@ def test_unknown_load_mode_is_refused() -> None:
     assert "stage-0" in message and "'mmap-slice'" in message
 
 
+# -- layer packages ------------------------------------------------------------------------------
+
+PACKAGE = {"package_ref": "https://models.example/smollm2-pkg/", "manifest_sha256": "ab" * 32,
+           "load_mode": "artifact-slice"}
+
+
+@pytest.mark.parametrize("ref", ["/srv/packages/smollm2", "file:///srv/packages/smollm2",
+                                 "http://models.example/pkg", "https://models.example/pkg/"])
+def test_a_package_stage_needs_no_model_path(ref: str) -> None:
+    data = {k: v for k, v in {**MINIMAL, **PACKAGE, "package_ref": ref}.items() if k != "model_path"}
+    cfg = StageConfig.from_dict(data)
+
+    assert (cfg.package_ref, cfg.manifest_sha256, cfg.model_path) == (ref, "ab" * 32, "")
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"manifest_sha256": None}, "manifest_sha256=None must be set with package_ref="),
+    ({"manifest_sha256": "ab" * 31}, f"manifest_sha256={'ab' * 31!r} is not a sha256"),
+    ({"load_mode": "runtime-slice"}, "load_mode='runtime-slice' must be artifact-slice with package_ref="),
+    ({"package_ref": "hf://org/pkg"}, "package_ref='hf://org/pkg' is not a package directory"),
+    ({"package_ref": ""}, "package_ref='' is not a package directory"),
+    ({"package_ref": None}, "manifest_sha256='abab"),
+])
+def test_package_fields_are_refused_unless_they_come_together(changes: dict[str, Any], named: str) -> None:
+    message = refused(**{**PACKAGE, **changes})
+
+    assert "stage-0" in message and named in message
+
+
+def test_layer_package_load_mode_stays_refused_with_a_package() -> None:
+    assert "layer-package schema v1 is offline-only" in refused(**{**PACKAGE, "load_mode": "layer-package"})
+
+
 # -- booleans ----------------------------------------------------------------------------------
 
 
@@ -536,9 +569,9 @@ def test_a_config_that_spells_every_seed_field_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "value"), [
-    ("package_ref", "hf://org/model:stage-1"), ("manifest_sha256", "ab" * 32), ("source_model_path", "/m.safetensors"),
+    ("source_model_path", "/m.safetensors"),
     ("source_model_sha256", "cd" * 32), ("source_model_bytes", 123), ("materialized_path", "/cache/pkg"),
-    ("materialized_pinned", True), ("checkpoint_quantization", "q4_k_m"), ("checkpoint_imatrix", "/m.imatrix"),
+    ("materialized_pinned", True),
     ("projector_path", "/mmproj.gguf"), ("projector_use_gpu", True), ("media_marker", "<image>"),
     ("image_min_tokens", 64), ("image_max_tokens", 256), ("batch_max_tokens", 1024), ("glm_dsa_policy", "v1"),
     ("generation_signal_window", 8), ("filter_tensors_on_load", True), ("resident_tensor_names", ["blk.10.x"]),

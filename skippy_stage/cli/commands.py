@@ -1,6 +1,7 @@
 """The ``skippy-stage`` command: one stage daemon, local pipelines, and what measures and proves them.
 
-Subcommands: serve, up, generate, demo, bench, profile, floor, ab, plan, slice, verify, replay, check, info.
+Subcommands: serve, up, generate, demo, bench, profile, floor, ab, plan, slice, package, verify, replay, check,
+info.
 
 Logs go to stderr, results (generated text, the head endpoint) to stdout. A failure at
 start exits non-zero with one line that names the cause.
@@ -42,10 +43,13 @@ DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
     from skippy_stage.model.slicing import read_model_info
 
-    info = read_model_info(args.model)
-    ranges = parse_layers(args.layers) if args.layers else even_split(info.block_count, args.stages)
-    ports = [args.base_port + i for i in range(len(ranges))] if args.base_port else free_ports(args.host, len(ranges))
     extra: dict[str, object] = {"lane_count": args.lanes}
+    if getattr(args, "package", None):
+        model, block_count = "", _package_fields(args, extra)
+    else:
+        model, block_count = str(args.model), read_model_info(args.model).block_count
+    ranges = parse_layers(args.layers) if args.layers else even_split(block_count, args.stages)
+    ports = [args.base_port + i for i in range(len(ranges))] if args.base_port else free_ports(args.host, len(ranges))
     if args.ctx_size is not None:
         extra["ctx_size"] = args.ctx_size
     if args.wire_dtype:
@@ -57,7 +61,7 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
     # computes: on 2 cores, 3 stages decode in 15.3 ms/token with 2 threads each vs 19.6 with
     # 1, and prefill twice as fast (`skippy-stage bench`, SKIPPY_BENCH_STAGE_THREADS).
     extra["n_threads"] = args.threads or (os.cpu_count() or 1)
-    configs = pipeline_configs(str(args.model), ranges, host=args.host, ports=ports, extra=extra,
+    configs = pipeline_configs(model, ranges, host=args.host, ports=ports, extra=extra,
                                return_path=args.return_path)
     if getattr(args, "http_port", None) is not None:
         configs[0]["http_port"] = args.http_port
@@ -72,6 +76,24 @@ def _start_pipeline(args: argparse.Namespace, workdir: Path) -> LocalPipeline:
         pipeline.stop()
         raise
     return pipeline
+
+
+def _package_fields(args: argparse.Namespace, extra: dict[str, object]) -> int:
+    """``up --package``: the stages' package fields in ``extra`` (the manifest pinned as it is now,
+    unless ``--manifest-sha256`` names one); the model's block count."""
+    from skippy_stage.model.package_fetch import open_package, read_manifest
+
+    ref = args.package
+    if "://" not in ref:
+        ref = str(Path(ref).resolve())  # the stages may start elsewhere
+    manifest, sha256 = read_manifest(open_package(ref))
+    if args.manifest_sha256 and args.manifest_sha256.lower() != sha256:
+        raise SkippyError(f"--manifest-sha256 {args.manifest_sha256} does not match the package: {ref}'s manifest.json "
+                          f"has sha256 {sha256}")
+    print(f"# package {manifest.source_file} ({manifest.architecture}, {manifest.block_count} layers), manifest "
+          f"sha256 {sha256}", file=sys.stderr, flush=True)
+    extra.update(package_ref=ref, manifest_sha256=sha256, load_mode="artifact-slice")
+    return manifest.block_count
 
 
 def _say_native_paths() -> None:
@@ -218,6 +240,19 @@ def cmd_slice(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_package(args: argparse.Namespace) -> int:
+    from skippy_stage.model.package import write_package
+
+    written = write_package(args.model, args.out, layers_per_part=args.layers_per_part)
+    manifest = written.manifest
+    size = sum(p.bytes for p in manifest.parts)
+    print(f"# {args.out}: {len(manifest.parts)} parts, {size / 1e6:.1f} MB, of {manifest.source_file} "
+          f"({manifest.architecture}, {manifest.block_count} layers); stages name it with package_ref and this "
+          f"manifest_sha256:", file=sys.stderr)
+    print(written.manifest_sha256)
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from skippy_stage.model.verify import format_report, parse_split, verify
 
@@ -280,7 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "--set stage-1.cache_type_k=q8_0)")
 
     p = sub.add_parser("up", help="start one serve process per stage on loopback")
-    p.add_argument("--model", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="the whole model's GGUF")
+    source.add_argument("--package", metavar="REF", help="a layer package (directory, file:// or http(s):// URL) "
+                        "each stage fetches its own parts of")
+    p.add_argument("--manifest-sha256", default=None, help="with --package: the manifest the stages must find "
+                   "(default: the package's manifest as it is now)")
     p.add_argument("--http-port", type=int, default=None, help="the head's OpenAI-compatible API port")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--stages", type=int)
@@ -357,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--final", action="store_true", help="keep the output head (implied when END is the last layer)")
     p.add_argument("--out", help="write here instead of the cache")
     p.set_defaults(func=cmd_slice)
+
+    p = sub.add_parser("package", help="cut a GGUF into a layer package: a part per layer group, the embeddings, "
+                                       "the output head and the metadata, and a manifest; prints its sha256")
+    p.add_argument("model")
+    p.add_argument("--out", required=True, help="the package's directory (created)")
+    p.add_argument("--layers-per-part", type=int, default=1, metavar="N", help="blocks per layer part")
+    p.set_defaults(func=cmd_package)
 
     p = sub.add_parser("verify", help="prove a split of MODEL computes exactly what llama-cpp-python computes on "
                                       "the unsplit model (exit 0 only when bit-exact)")

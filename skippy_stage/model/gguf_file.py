@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFEndian, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField, ReaderTensor
 
 GGUF_VERSION = 3
@@ -147,3 +147,79 @@ def write_gguf(dest: str | Path, metadata: Iterable[tuple[str, bytes]], tensors:
             f.write(b"\0" * _pad(t.n_bytes, alignment))
             if on_tensor is not None:
                 on_tensor(t.n_bytes)
+
+
+_FIXED_SIZES = {vtype: struct.calcsize(fmt) for vtype, fmt in _SCALAR_FORMATS.items()}
+
+
+@dataclass(frozen=True)
+class RawGGUF:
+    """A GGUF as :func:`write_gguf` takes one: metadata as typed bytes, tensors as uncopied views."""
+
+    metadata: list[tuple[str, bytes]]
+    tensors: list[Tensor]
+    alignment: int
+    order: str
+
+
+def read_raw(path: str | Path) -> RawGGUF:
+    """``path``'s metadata (each key's type tag and value bytes as the file holds them) and tensors
+    (memory-mapped), without decoding a value: gguf-py's reader makes a numpy view of every item of
+    every array, seconds for a vocabulary, where copying them needs none. ``ValueError`` for a file
+    that is not a GGUF this can read."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    if data[:4].tobytes() != b"GGUF":
+        raise ValueError("missing GGUF magic")
+    (version,) = struct.unpack_from("<I", data, 4)
+    order = ">" if version & 0xFFFF == 0 else "<"
+    (version,) = struct.unpack_from(f"{order}I", data, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is too old")
+    n_tensors, n_kv = struct.unpack_from(f"{order}QQ", data, 8)
+
+    def string_end(at: int) -> int:
+        (length,) = struct.unpack_from(f"{order}Q", data, at)
+        return at + 8 + length
+
+    def value_end(vtype: int, at: int) -> int:
+        if vtype == GGUFValueType.STRING:
+            return string_end(at)
+        if vtype == GGUFValueType.ARRAY:
+            sub, count = struct.unpack_from(f"{order}IQ", data, at)
+            at += 12
+            if sub in _FIXED_SIZES:
+                return at + count * _FIXED_SIZES[GGUFValueType(sub)]
+            for _ in range(count):
+                at = value_end(sub, at)
+            return at
+        return at + _FIXED_SIZES[GGUFValueType(vtype)]
+
+    offset = 24
+    metadata: list[tuple[str, bytes]] = []
+    alignment = DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        end = string_end(offset)
+        key = data[offset + 8 : end].tobytes().decode("utf-8")
+        (vtype,) = struct.unpack_from(f"{order}I", data, end)
+        offset = value_end(vtype, end + 4)
+        metadata.append((key, data[end:offset].tobytes()))
+        if key == "general.alignment" and vtype == GGUFValueType.UINT32:
+            (alignment,) = struct.unpack_from(f"{order}I", data, end + 4)
+    infos = []
+    for _ in range(n_tensors):
+        end = string_end(offset)
+        name = data[offset + 8 : end].tobytes().decode("utf-8")
+        (n_dims,) = struct.unpack_from(f"{order}I", data, end)
+        dims = struct.unpack_from(f"{order}{n_dims}Q", data, end + 4)
+        ggml_type, at = struct.unpack_from(f"{order}IQ", data, end + 4 + 8 * n_dims)
+        infos.append((name, dims, ggml_type, at))
+        offset = end + 4 + 8 * n_dims + 12
+    start = offset + _pad(offset, alignment)
+    tensors = []
+    for name, dims, ggml_type, at in infos:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        n_bytes = int(np.prod(dims, dtype=np.int64)) // block * size
+        if start + at + n_bytes > len(data):
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        tensors.append(Tensor(name, tuple(int(d) for d in dims), int(ggml_type), data[start + at : start + at + n_bytes]))
+    return RawGGUF(metadata, tensors, alignment, order)

@@ -37,7 +37,7 @@ def effective_config(path: str | Path) -> tuple[StageConfig, str]:
     Credentials.from_config(cfg)  # the token and TLS files are there, readable and not empty
     info = check_against_model(cfg)
     loader.model_params(cfg)  # the host policy: repack on AMX, selected_device
-    sliced = cfg.load_mode == "artifact-slice"
+    sliced = cfg.load_mode == "artifact-slice" and cfg.package_ref is None  # info is the stage file's own
     layers = range(info.block_count) if sliced else range(cfg.layer_start, cfg.layer_end)
     size = resolve_context_size(cfg, info, layers)
     return cfg.replace(ctx_size=size.n_ctx), size.reason

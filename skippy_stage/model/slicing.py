@@ -28,7 +28,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -426,10 +426,23 @@ def stage_file(
         return StageFile(path=source, built=False, seconds=time.perf_counter() - started)
 
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     key = cache_key(source, layer_start, layer_end, final)
     role = "final" if final else "inner"
     path = directory / f"{source.stem}.{layer_start}-{layer_end}.{role}.{key}.gguf"
+    return cached_file(
+        path, lambda tmp: write_slice(source, tmp, layer_start, layer_end, final=final, progress=progress),
+        {"source": str(source.resolve()), "layer_start": layer_start, "layer_end": layer_end, "final": final},
+        started=started)
+
+
+def cached_file(path: Path, build: Callable[[Path], None], record: dict[str, object], *,
+                started: float | None = None) -> StageFile:
+    """``path`` if it is intact (its size and sha256 what its digest manifest recorded when it was
+    written), else built now by ``build(tmp)`` into a temporary file beside it, fsynced and renamed
+    into place with a new digest manifest holding ``record`` too."""
+    started = time.perf_counter() if started is None else started
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
     manifest_path = path.with_name(path.name + MANIFEST_SUFFIX)
     if path.exists() and _cached_file_is_intact(path, manifest_path):
         return StageFile(path=path, built=False, seconds=time.perf_counter() - started)
@@ -438,11 +451,10 @@ def stage_file(
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        write_slice(source, tmp, layer_start, layer_end, final=final, progress=progress)
+        build(tmp)
         with tmp.open("rb+") as f:
             os.fsync(f.fileno())
-        manifest = {"size": tmp.stat().st_size, "sha256": _digest(tmp), "source": str(source.resolve()),
-                    "layer_start": layer_start, "layer_end": layer_end, "final": final}
+        manifest = {"size": tmp.stat().st_size, "sha256": _digest(tmp), **record}
         manifest_path.unlink(missing_ok=True)
         tmp.chmod(0o644)
         os.replace(tmp, path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError
-from skippy_stage.model import host, loader
+from skippy_stage.model import host, loader, package_stage, requantize
 from skippy_stage.model.slicing import (
     ModelInfo,
     check_architecture,
@@ -19,7 +19,13 @@ from skippy_stage.model.slicing import (
 
 
 def check_against_model(cfg: StageConfig) -> ModelInfo:
-    """What the GGUF decides about the config, from its header alone (no weights loaded)."""
+    """What the GGUF decides about the config, from its header alone (no weights loaded).
+
+    With ``package_ref`` the header is the package's metadata part, fetched with the manifest and
+    checked against it (``package_stage.plan``); the layer range is then checked as for a GGUF."""
+    if cfg.package_ref is not None:
+        info = package_stage.check(cfg)
+        return _check_range_against(cfg, info)
     if cfg.load_mode == "artifact-slice":
         path = Path(cfg.model_path)
         meta = slice_metadata(path) if path.is_file() else None
@@ -36,6 +42,12 @@ def check_against_model(cfg: StageConfig) -> ModelInfo:
         info = read_model_info(cfg.model_path)
     except ConfigError as exc:
         raise ConfigError(f"stage {cfg.stage_id}: model_path={cfg.model_path!r}: {exc}") from None
+    return _check_range_against(cfg, info)
+
+
+def _check_range_against(cfg: StageConfig, info: ModelInfo) -> ModelInfo:
+    """The layer range against the whole model's header: inside it, sliceable there, final exactly
+    when it ends at the last layer."""
     check_architecture(info.architecture)
     cfg.check_block_count(info.block_count)
     if not (cfg.layer_start == 0 and cfg.layer_end == info.block_count):
@@ -73,11 +85,19 @@ def resolve_context_size(cfg: StageConfig, info: ModelInfo, layers: range) -> lo
 
 
 def resolve_stage_file(cfg: StageConfig, progress: bool | None = None) -> tuple[Path, bool, float]:
-    """The file to load (a stage file given as is, or the slice of the model, built or reused from
-    the cache), whether it was built now, and how long that took."""
+    """The file to load (a stage file given as is, the slice of the model, or the stage file assembled
+    from a package's parts; built or reused from the cache), whether it was built now, and how long
+    that took."""
     check_against_model(cfg)
+    if cfg.package_ref is not None:
+        made = package_stage.stage_file(cfg, progress)
+        return made.path, made.built, made.seconds
     if cfg.load_mode == "artifact-slice":
         return Path(cfg.model_path), False, 0.0
     made = stage_file(cfg.model_path, cfg.layer_start, cfg.layer_end, final=cfg.include_output,
                       cache_dir=cfg.cache_dir, progress=progress)
+    if cfg.checkpoint_quantization != "preserve":
+        # The slice, quantized with the whole model's per-tensor types (cached beside it).
+        quantized = requantize.requantized_stage_file(cfg, Path(cfg.model_path), made.path)
+        return quantized.path, made.built or quantized.built, made.seconds + quantized.seconds
     return made.path, made.built, made.seconds

@@ -1,0 +1,219 @@
+"""A stage that quantizes its own slice computes what the whole model quantized once computes.
+
+``checkpoint_quantization`` makes each stage quantize its slice with llama.cpp's
+``llama_model_quantize``, every tensor pinned to the type the whole model's quantization gives it
+(``skippy_stage.model.requantize``). Proof: a chain of stage runtimes loading the requantized stage
+files gives bit-identical logits (max |diff| == 0.0) and the same greedy tokens as llama-cpp-python on
+the unsplit model quantized once to the same type. The source is llama.cpp's own full-precision
+``llama`` test model (tests/fixtures/archs.jsonl.gz, regenerated from its seed), and the packaged
+SmolLM2 (Q4_1) requantized to Q4_K_M. Also: why the pinning matters (a slice quantized alone gets
+other types), stages at different types, and importance matrices (checked by sha256, required by
+the IQ2 types).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from support.chain import Chain, split_configs
+from support.reference import Reference, chain_greedy, max_diff
+
+from skippy_stage.config import StageConfig
+from skippy_stage.errors import ConfigError
+from skippy_stage.model import requantize, synthetic
+from skippy_stage.model.slicing import read_model_info, stage_file
+from skippy_stage.model.stage_file import resolve_stage_file
+
+SPECS = synthetic.load_specs(Path(__file__).resolve().parent.parent / "fixtures" / "archs.jsonl.gz")
+PROMPT = [1, 17, 42, 5, 99, 23, 64, 8, 3, 77, 12, 31]
+N_TOKENS = 8
+SPLIT = [(0, 2), (2, 3), (3, 6)]  # a 2-layer head: quantized alone, its layer 1 would get more bits
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    """llama.cpp's test-llama-archs llama model: 6 layers, n_embd 256, every tensor F32."""
+    path = tmp_path_factory.mktemp("requantize") / "llama-dense.gguf"
+    synthetic.write_model(SPECS["llama-dense"], path, seed=42)
+    return path
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def reference_run(model: Path, prompt: list[int], n_tokens: int) -> tuple[list[np.ndarray], list[int]]:
+    """llama-cpp-python on ``model`` with the stages' context: each step's logits and the greedy tokens."""
+    (cfg,) = split_configs(model, [(0, read_model_info(model).block_count)], None, kv_unified=False)
+    reference = Reference(cfg)
+    try:
+        return reference.greedy_alone(prompt, n_tokens)
+    finally:
+        reference.close()
+
+
+def split_run(configs: list[StageConfig], prompt: list[int], n_tokens: int) -> tuple[list[np.ndarray], list[int]]:
+    chain = Chain(configs)
+    try:
+        rows, generated, _ = chain_greedy(chain, {"s": prompt}, n_tokens)
+        return rows["s"], generated["s"]
+    finally:
+        chain.close()
+
+
+@pytest.mark.parametrize("quantization", ["Q8_0", "Q4_K_M", "Q4_0"])
+def test_stages_quantizing_their_own_slices_equal_the_whole_model_quantized_once(
+        quantization, dense, tmp_path, slice_cache):
+    whole = tmp_path / f"whole.{quantization}.gguf"
+    requantize.quantize_file(dense, whole, quantization, nthread=2)
+    ref_rows, ref_tokens = reference_run(whole, PROMPT, N_TOKENS)
+
+    configs = split_configs(dense, SPLIT, slice_cache, kv_unified=False, checkpoint_quantization=quantization)
+    rows, tokens = split_run(configs, PROMPT, N_TOKENS)
+
+    diff = max_diff(rows, ref_rows)
+    print(f"{quantization}: split {SPLIT} vs whole model quantized once: max |logit diff| = {diff}")
+    assert diff == 0.0
+    assert tokens == ref_tokens
+    whole_types, source_types = tensor_types(whole), tensor_types(dense)
+    for cfg in configs:  # every stage file holds the whole quantized model's tensor types, but for a
+        path, _, _ = resolve_stage_file(cfg)  # token_embd.weight the stage does not use: kept as it was
+        held = tensor_types(path)
+        for name, type_name in held.items():
+            if name == "token_embd.weight" and not requantize.uses_token_embd(
+                    cfg.layer_start == 0, cfg.include_output, held):
+                assert type_name == source_types[name], cfg.stage_id
+                continue
+            i = name.split(".")[1] if name.startswith("blk.") else None
+            whole_name = name if i is None else name.replace(f"blk.{i}.", f"blk.{int(i) + cfg.layer_start}.", 1)
+            assert type_name == whole_types[whole_name], (cfg.stage_id, name)
+
+
+def test_a_slice_quantized_alone_gets_other_types_and_the_plan_pins_the_whole_models(dense, tmp_path, slice_cache):
+    """Q4_K_M gives attn_v and ffn_down more bits by layer index and count (use_more_bits): the 2-layer
+    slice 0:2 alone would put its layer 1 in the last eighth; pinned, it keeps the whole model's types."""
+    plan = requantize.whole_model_plan(dense, "Q4_K_M")
+    head = stage_file(dense, 0, 2, final=False, cache_dir=slice_cache).path
+    alone = tmp_path / "alone.gguf"
+    requantize.quantize_file(head, alone, "Q4_K_M")
+    alone_types = tensor_types(alone)
+    want = plan.for_slice(0, 2, list(alone_types))
+    differ = {n: (alone_types[n], want[n]) for n in want if alone_types[n] != want[n]}
+    print(f"slice 0:2 quantized alone vs in the whole model: {differ}")
+    assert "blk.1.attn_v.weight" in differ  # Q6_K alone, Q4_K in the whole model
+
+    (cfg, _) = split_configs(dense, [(0, 2), (2, 6)], slice_cache, checkpoint_quantization="Q4_K_M")
+    path, _, _ = resolve_stage_file(cfg)
+    assert tensor_types(path) == want
+
+
+def test_a_skeleton_of_the_header_plans_as_the_whole_file_does(dense, tmp_path):
+    skeleton = requantize.write_skeleton(dense, tmp_path / "skeleton.gguf")
+    assert skeleton.stat().st_blocks * 512 < dense.stat().st_size // 50  # the weights are a hole
+    for quantization in ("Q4_K_M", "Q5_K_M", "IQ4_XS"):
+        assert requantize.whole_model_plan(skeleton, quantization) == requantize.whole_model_plan(dense, quantization)
+
+
+def test_stages_at_different_types_equal_one_model_quantized_with_those_types(dense, tmp_path, slice_cache):
+    """Stage 0 at Q8_0, stage 1 at Q4_K_M: the reference is the whole model quantized once with each
+    tensor pinned to the type its stage gives it (tt_overrides)."""
+    configs = split_configs(dense, [(0, 3), (3, 6)], slice_cache, kv_unified=False)
+    configs = [dataclasses.replace(c, checkpoint_quantization=q) for c, q in zip(configs, ("Q8_0", "Q4_K_M"))]
+    pinned: dict[str, str] = {}
+    for cfg in reversed(configs):  # token_embd as the head holds it, the rest from the stage that runs it
+        path, _, _ = resolve_stage_file(cfg)
+        for name, type_name in tensor_types(path).items():
+            i = name.split(".")[1] if name.startswith("blk.") else None
+            pinned[name if i is None else name.replace(f"blk.{i}.", f"blk.{int(i) + cfg.layer_start}.", 1)] = type_name
+    mixed = tmp_path / "mixed.gguf"
+    requantize.quantize_file(dense, mixed, "Q4_K_M", types=pinned)
+    assert {tensor_types(mixed)[n] for n in ("blk.0.attn_q.weight", "blk.5.attn_q.weight")} == {"Q8_0", "Q4_K"}
+    ref_rows, ref_tokens = reference_run(mixed, PROMPT, N_TOKENS)
+
+    rows, tokens = split_run(configs, PROMPT, N_TOKENS)
+
+    diff = max_diff(rows, ref_rows)
+    print(f"Q8_0 0:3 + Q4_K_M 3:6 vs one model with those types: max |logit diff| = {diff}")
+    assert diff == 0.0 and tokens == ref_tokens
+
+
+def write_imatrix(model: Path, dest: Path) -> Path:
+    """An importance matrix in llama-imatrix's GGUF format for every matrix of ``model``: per tensor,
+    ``<name>.in_sum2`` (summed squared activations, one row per matrix) and ``<name>.counts``. The
+    values are a fixed random draw: the format and the plumbing are under test, not their quality."""
+    rng = np.random.default_rng(7)
+    writer = gguf.GGUFWriter(str(dest), arch="imatrix")
+    writer.add_string("general.type", "imatrix")
+    writer.add_array("imatrix.datasets", ["synthetic"])
+    writer.add_uint32("imatrix.chunk_count", 4)
+    writer.add_uint32("imatrix.chunk_size", 512)
+    for t in gguf.GGUFReader(model).tensors:
+        if len(t.shape) < 2 or not t.name.startswith("blk.") or not t.name.endswith(".weight"):
+            continue
+        n_per_row = int(t.shape[0])  # gguf-py lists ne0 first
+        writer.add_tensor(f"{t.name}.in_sum2", (rng.random((1, n_per_row), dtype=np.float32) * 2048).astype(np.float32))
+        writer.add_tensor(f"{t.name}.counts", np.full((1, 1), 2048, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
+
+
+def test_an_imatrix_is_checked_then_used_and_the_iq2_types_need_one(dense, tmp_path, slice_cache):
+    imatrix = write_imatrix(dense, tmp_path / "imatrix.gguf")
+    sha = hashlib.sha256(imatrix.read_bytes()).hexdigest()
+
+    with pytest.raises(ConfigError, match="checkpoint_imatrix=None must name an importance matrix"):
+        split_configs(dense, SPLIT, slice_cache, checkpoint_quantization="IQ2_XXS")
+    (bad, *_) = split_configs(dense, SPLIT, slice_cache, checkpoint_quantization="IQ2_XXS",
+                              checkpoint_imatrix=str(imatrix), checkpoint_imatrix_sha256="0" * 64)
+    with pytest.raises(ConfigError, match="checkpoint_imatrix_sha256='0+' does not match"):
+        resolve_stage_file(bad)
+    # IQ3_XS's default type needs none, but the plan puts attn_q/attn_k/ffn_up at IQ3_XXS, which does
+    (iq3_xs, *_) = split_configs(dense, SPLIT, slice_cache, checkpoint_quantization="IQ3_XS")
+    with pytest.raises(ConfigError, match=r"checkpoint_imatrix is unset, but llama.cpp quantizes blk\.0\.\S+ to IQ3_XXS"):
+        resolve_stage_file(iq3_xs)
+
+    whole = tmp_path / "whole.IQ2_XXS.gguf"
+    requantize.quantize_file(dense, whole, "IQ2_XXS", imatrix=requantize.read_imatrix(imatrix), nthread=2)
+    assert "IQ2_XXS" in tensor_types(whole).values()
+    ref_rows, ref_tokens = reference_run(whole, PROMPT, N_TOKENS)
+    configs = split_configs(dense, SPLIT, slice_cache, kv_unified=False, checkpoint_quantization="IQ2_XXS",
+                            checkpoint_imatrix=str(imatrix), checkpoint_imatrix_sha256=sha)
+    rows, tokens = split_run(configs, PROMPT, N_TOKENS)
+    diff = max_diff(rows, ref_rows)
+    print(f"IQ2_XXS with an imatrix: max |logit diff| = {diff}")
+    assert diff == 0.0 and tokens == ref_tokens
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("checkpoint_quantization", "Q9_K", "is not one of preserve, F16"),
+    ("checkpoint_quantization", "q4_k_m", "is not one of preserve"),
+    ("checkpoint_imatrix_sha256", "ab" * 32, "is set without checkpoint_imatrix"),
+    ("load_mode", "artifact-slice", "needs load_mode runtime-slice"),
+])
+def test_a_quantization_config_that_cannot_work_is_refused_by_name(field, value, message):
+    fields = dict(model_path="m.gguf", stage_id="s0", stage_index=0, layer_start=0, layer_end=2,
+                  checkpoint_quantization="Q4_K_M")
+    with pytest.raises(ConfigError, match=f"{field if field != 'load_mode' else 'checkpoint_quantization'}="
+                                          f".*{message}"):
+        StageConfig.from_dict({**fields, field: value})
+
+
+def test_smollm2_q4_1_requantized_stage_by_stage_equals_it_requantized_once(smollm2, tmp_path, slice_cache):
+    whole = tmp_path / "smollm2.Q4_K_M.gguf"
+    requantize.quantize_file(smollm2, whole, "Q4_K_M", nthread=2)
+    tokens_in = [1, 504, 3458, 282, 4649, 314]
+    ref_rows, ref_tokens = reference_run(whole, tokens_in, 4)
+    configs = split_configs(smollm2, [(0, 10), (10, 30)], slice_cache, kv_unified=False,
+                            checkpoint_quantization="Q4_K_M")
+    rows, tokens = split_run(configs, tokens_in, 4)
+    diff = max_diff(rows, ref_rows)
+    print(f"SmolLM2 Q4_1 -> Q4_K_M, split 0:10/10:30: max |logit diff| = {diff}")
+    assert diff == 0.0 and tokens == ref_tokens
