@@ -395,7 +395,8 @@ class StageConfig:
     ``Q4_K_M``, ``Q4_0``, ``IQ4_XS``, ``IQ2_XXS``, ...): at load the stage quantizes its own slice with
     ``llama_model_quantize`` into ``cache_dir`` (reused afterwards), giving every tensor the type the whole
     model's quantization to that type gives it, so a pipeline quantized stage by stage computes what the
-    whole model quantized once computes. Stages of one pipeline may use different types."""
+    whole model quantized once computes. Stages of one pipeline may use different types. Needs the whole
+    GGUF in ``model_path`` (``load_mode: runtime-slice``) or a ``package_ref``; a stage file alone is refused."""
     checkpoint_imatrix: str | None = None
     """A llama.cpp importance matrix (the GGUF ``llama-imatrix`` writes) for ``checkpoint_quantization``;
     the IQ1/IQ2 types (and ``IQ3_XXS``, ``Q2_K_S``) need one. Needs ``checkpoint_imatrix_sha256``."""
@@ -789,10 +790,13 @@ def _validate_quantization(cfg: StageConfig) -> None:
     if cfg.checkpoint_quantization not in CHECKPOINT_QUANTIZATIONS:
         raise _fail(cfg, "checkpoint_quantization", cfg.checkpoint_quantization,
                     f"is not one of {', '.join(CHECKPOINT_QUANTIZATIONS)}")
-    if cfg.checkpoint_quantization != "preserve" and cfg.load_mode != "runtime-slice":
-        # The whole model's type plan needs its header; a stage file or a package's parts lack it.
+    if (cfg.checkpoint_quantization != "preserve" and cfg.load_mode != "runtime-slice"
+            and not (cfg.load_mode == "artifact-slice" and cfg.package_ref is not None)):
+        # The whole model's type plan needs its header: the whole GGUF has it, and a package's
+        # manifest and metadata part give it; a stage file alone does not.
         raise _fail(cfg, "checkpoint_quantization", cfg.checkpoint_quantization,
-                    f"needs load_mode runtime-slice (the whole GGUF in model_path), not {cfg.load_mode}")
+                    f"needs load_mode runtime-slice (the whole GGUF in model_path) or a package_ref, not "
+                    f"{cfg.load_mode}" + (" with a stage file" if cfg.load_mode == "artifact-slice" else ""))
     _require_str(cfg, "checkpoint_imatrix", optional=True)
     _require_str(cfg, "checkpoint_imatrix_sha256", optional=True)
     if cfg.checkpoint_imatrix is None:

@@ -208,11 +208,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from skippy_stage.model.preflight import effective_config
+    from skippy_stage.model.preflight import effective_config, stage_memory
 
     config, ctx_reason = effective_config(args.config)
     print(f"# {args.config}: stage {config.stage_id} would serve layers {config.layer_start}:{config.layer_end}; "
           f"ctx_size from {ctx_reason}", file=sys.stderr)
+    memory = stage_memory(config)
+    print(f"# stage {config.stage_id}: " + (memory.describe() if memory is not None else
+          f"checkpoint_quantization {config.checkpoint_quantization}; weights as the package's parts hold them"),
+          file=sys.stderr)
     print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
     return 0
 

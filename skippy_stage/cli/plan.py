@@ -4,6 +4,11 @@ With link latencies (``--link-ms``, or ``--measure`` to ask running stages what 
 first chooses the stage count and the order of nodes with the lowest estimated time per output token
 (``ops.placement``), prints every candidate, and plans the one chosen. Without them it splits over
 every node in the order given, as it always has.
+
+``--quantization TYPE`` plans every stage at ``checkpoint_quantization`` TYPE (its weights' bytes from
+the dry-run plan of llama.cpp's quantizer, ``model.quant_bytes``); ``--quantization auto`` picks per
+node the highest precision that fits (``ops.plan.plan_quantized``). The configs written carry each
+stage's ``checkpoint_quantization``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from skippy_stage.config import CACHE_TYPES
+from skippy_stage.config import CACHE_TYPES, CHECKPOINT_QUANTIZATIONS, IMATRIX_QUANTIZATIONS
 from skippy_stage.errors import PlanError
 from skippy_stage.ops.deploy import (
     DEFAULT_FRAME_PORT,
@@ -24,7 +29,7 @@ from skippy_stage.ops.deploy import (
     kubectl_create_secret,
     write_plan,
 )
-from skippy_stage.ops.footprint import read_footprint
+from skippy_stage.ops.footprint import read_footprint, read_footprints
 from skippy_stage.ops.placement import (
     HOP_OVERHEAD_MS,
     Links,
@@ -33,7 +38,16 @@ from skippy_stage.ops.placement import (
     parse_links,
     parse_speeds,
 )
-from skippy_stage.ops.plan import DEFAULT_OVERHEAD_MIB, NodeSpec, Plan, make_plan, parse_nodes
+from skippy_stage.ops.plan import (
+    AUTO_QUANTIZATIONS,
+    DEFAULT_OVERHEAD_MIB,
+    NodeSpec,
+    Plan,
+    make_plan,
+    parse_nodes,
+    plan_quantized,
+    quantization_ladder,
+)
 
 # How long ``--measure`` waits for each stage's GetStatus.
 MEASURE_TIMEOUT_S = 5.0
@@ -55,6 +69,11 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-type", choices=CACHE_TYPES, default="f16", help="KV cache type for K and V (default f16)")
     p.add_argument("--overhead-mib", type=float, default=DEFAULT_OVERHEAD_MIB,
                    help=f"fixed per-node cost: runtime, compute buffers, Python (default {DEFAULT_OVERHEAD_MIB})")
+    p.add_argument("--quantization", metavar="TYPE|auto",
+                   help="plan every stage at checkpoint_quantization TYPE (preserve, Q8_0, Q4_K_M, ...), or 'auto': "
+                        "per node the highest precision that fits, of the GGUF's own types and "
+                        f"{', '.join(AUTO_QUANTIZATIONS)} (default: the GGUF's own, with no checkpoint_quantization "
+                        "in the configs)")
     p.add_argument("--out", help="write configs/, compose.yaml, k8s/ and (unless one is there) the chain's token here")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
                    help=f"where the nodes see the model file (default {DEFAULT_MODEL_DIR}, the volume the files mount)")
@@ -93,6 +112,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     nodes = parse_nodes(args.nodes)
+    check_quantization(args.quantization)
     sizing = {"ctx_size": args.ctx_size, "lanes": args.lanes, "cache_type": args.cache_type,
               "overhead_mib": args.overhead_mib}
     if args.link_ms is None and args.measure is None:
@@ -100,8 +120,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             ("--hop-overhead-ms", args.hop_overhead_ms != HOP_OVERHEAD_MS)):
             if value:
                 raise PlanError(f"{flag} weighs the candidates by latency: give --link-ms or --measure with it")
-        plan = make_plan(args.model, nodes, **sizing)
+        plan = quantized_plan(args, nodes, sizing) if args.quantization else make_plan(args.model, nodes, **sizing)
     else:
+        if args.quantization == "auto":
+            raise PlanError("--quantization auto chooses types for one order of the nodes: give a type, or drop "
+                            "--link-ms/--measure")
         plan = choose(args, nodes, sizing)
     print(plan.format_table(), flush=True)
     if args.out:
@@ -118,6 +141,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_quantization(value: str | None) -> None:
+    """``--quantization`` is unset, auto, or a type a stage makes without an importance matrix."""
+    if value is None or value == "auto":
+        return
+    if value not in CHECKPOINT_QUANTIZATIONS:
+        raise PlanError(f"--quantization {value!r} is not 'auto' or one of {', '.join(CHECKPOINT_QUANTIZATIONS)}")
+    if value in IMATRIX_QUANTIZATIONS:
+        raise PlanError(f"--quantization {value} needs an importance matrix (checkpoint_imatrix): plan another "
+                        "type, or write the configs yourself with checkpoint_imatrix and its sha256")
+
+
+def quantized_plan(args: argparse.Namespace, nodes: list[NodeSpec], sizing: dict[str, Any]) -> Plan:
+    """The plan at ``--quantization``: one type on every node, or per node the highest that fits."""
+    if args.quantization != "auto":
+        return make_plan(args.model, nodes, quantization=args.quantization, **sizing)
+    ladder = quantization_ladder(read_footprints(args.model, ("preserve", *AUTO_QUANTIZATIONS)))
+    plan = plan_quantized(ladder, nodes, **sizing)
+    print(f"# --quantization auto (highest first: {' > '.join(m.quantization for m in ladder)}): "
+          + ", ".join(f"{s.node}={s.quantization}" for s in plan.stages), file=sys.stderr)
+    return plan
+
+
 def choose(args: argparse.Namespace, nodes: list[NodeSpec], sizing: dict[str, Any]) -> Plan:
     """The candidates table, printed, and the plan of the one chosen."""
     links = parse_links(args.link_ms, nodes) if args.link_ms is not None else Links()
@@ -129,7 +174,7 @@ def choose(args: argparse.Namespace, nodes: list[NodeSpec], sizing: dict[str, An
             print(f"# measured stages {', '.join(strangers)} are not among --nodes: their links are not used",
                   file=sys.stderr)
         links = Links(default_ms=links.default_ms, given=links.given, measured=measured)
-    placement = choose_placement(read_footprint(args.model), nodes, links, speeds=parse_speeds(args.speed, nodes),
+    placement = choose_placement(read_footprint(args.model, args.quantization or "preserve"), nodes, links, speeds=parse_speeds(args.speed, nodes),
                                  token_ms=args.token_ms, hop_overhead_ms=args.hop_overhead_ms, **sizing)
     print(placement.format_table(), end="\n\n", flush=True)
     return placement.plan

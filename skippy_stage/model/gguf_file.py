@@ -129,24 +129,54 @@ def write_gguf(dest: str | Path, metadata: Iterable[tuple[str, bytes]], tensors:
 
     ``alignment`` must be what the metadata's ``general.alignment`` says (32 when it is absent).
     """
-    kv = list(metadata)
     with open(dest, "wb") as f:
-        f.write(b"GGUF")
-        f.write(struct.pack(f"{order}IQQ", GGUF_VERSION, len(tensors), len(kv)))
-        for key, value in kv:
-            f.write(_pack_payload(GGUFValueType.STRING, key, None, order))
-            f.write(value)
-        offset = 0
-        for t in tensors:
-            f.write(_pack_payload(GGUFValueType.STRING, t.name, None, order))
-            f.write(struct.pack(f"{order}I{len(t.dims)}QIQ", len(t.dims), *t.dims, t.ggml_type, offset))
-            offset += t.n_bytes + _pad(t.n_bytes, alignment)
-        f.write(b"\0" * _pad(f.tell(), alignment))
+        _write_header(f, metadata, [(t.name, t.dims, t.ggml_type, t.n_bytes) for t in tensors], alignment, order)
         for t in tensors:
             f.write(memoryview(t.data).cast("B"))
             f.write(b"\0" * _pad(t.n_bytes, alignment))
             if on_tensor is not None:
                 on_tensor(t.n_bytes)
+
+
+def tensor_bytes(dims: Sequence[int], ggml_type: int) -> int:
+    """The bytes a tensor of ``dims`` (ggml order) and ``ggml_type`` takes."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    n = 1
+    for d in dims:
+        n *= int(d)
+    if n % block:
+        raise ValueError(f"{n} values are not a whole number of {GGMLQuantizationType(ggml_type).name} blocks")
+    return n // block * size
+
+
+def write_skeleton(dest: str | Path, metadata: Iterable[tuple[str, bytes]],
+                   tensors: Sequence[tuple[str, tuple[int, ...], int]], *,
+                   alignment: int = DEFAULT_ALIGNMENT, order: str = "<") -> None:
+    """Write a GGUF of ``metadata`` and the infos of ``tensors`` (name, dims, ggml type) whose tensor
+    data is a hole of the size it would take: a sparse file that reads as zeros, which costs a few
+    blocks on disk whatever the model's size. Whatever reads only the header (llama.cpp's quantizer in
+    a dry run) sees the model these describe."""
+    infos = [(name, tuple(dims), ggml_type, tensor_bytes(dims, ggml_type)) for name, dims, ggml_type in tensors]
+    with open(dest, "wb") as f:
+        _write_header(f, metadata, infos, alignment, order)
+        f.truncate(f.tell() + sum(n + _pad(n, alignment) for *_, n in infos))
+
+
+def _write_header(f: Any, metadata: Iterable[tuple[str, bytes]],
+                  infos: Sequence[tuple[str, tuple[int, ...], int, int]], alignment: int, order: str) -> None:
+    """The header, key/values and tensor infos (name, dims, type, bytes), padded to the alignment."""
+    kv = list(metadata)
+    f.write(b"GGUF")
+    f.write(struct.pack(f"{order}IQQ", GGUF_VERSION, len(infos), len(kv)))
+    for key, value in kv:
+        f.write(_pack_payload(GGUFValueType.STRING, key, None, order))
+        f.write(value)
+    offset = 0
+    for name, dims, ggml_type, n_bytes in infos:
+        f.write(_pack_payload(GGUFValueType.STRING, name, None, order))
+        f.write(struct.pack(f"{order}I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset))
+        offset += n_bytes + _pad(n_bytes, alignment)
+    f.write(b"\0" * _pad(f.tell(), alignment))
 
 
 _FIXED_SIZES = {vtype: struct.calcsize(fmt) for vtype, fmt in _SCALAR_FORMATS.items()}

@@ -16,7 +16,9 @@ GGUF holding tensors under their names in the source and their bytes as the sour
 
 The manifest names the source (file name, sha256, bytes), its architecture, block count and
 quantization, and lists every part with its sha256, size, layer range (null for a part that holds
-no layer) and role. The manifest's own sha256 is what a stage's ``manifest_sha256`` pins: it
+no layer) and role, and (from version 2) every tensor of the source with its dimensions and type, in
+the source's order: with the metadata part, the whole model's header, from which a stage that
+quantizes its range has llama.cpp plan the whole model's quantization. The manifest's own sha256 is what a stage's ``manifest_sha256`` pins: it
 checks the manifest against it, and every part against the manifest, before using any byte.
 Which parts a stage needs (:meth:`Manifest.parts_for`) is decided here; fetching them is
 ``package_fetch``'s job and assembling a stage file from them ``package_stage``'s.
@@ -41,7 +43,10 @@ from skippy_stage.model import gguf_file
 from skippy_stage.model.slicing import check_architecture, layer_index, open_reader, read_model_info
 
 PACKAGE_FORMAT = "skippy-stage layer package"
-PACKAGE_VERSION = 1
+PACKAGE_VERSION = 2
+# Version 1 lists no tensor infos: its packages still load, but no stage of one can quantize (the
+# whole model's type plan needs every tensor's name, shape and type).
+READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 EMBEDDING_TENSOR = "token_embd.weight"
 ROLES = ("metadata", "embedding", "output", "layers")
@@ -92,6 +97,21 @@ class EmbeddingShape:
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the source model as its header lists it: name, dimensions (ggml order) and type.
+    The manifest lists every one, in the source's order, so that a stage holding only some layers can
+    write the whole model's header (its metadata part's keys and these infos, the weights a hole) and
+    have llama.cpp plan the whole model's quantization from it."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: str  # a GGMLQuantizationType name
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dims": list(self.dims), "type": self.ggml_type}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A package's ``manifest.json``: the source model and the parts it was cut into."""
 
@@ -104,6 +124,7 @@ class Manifest:
     tied_embeddings: bool
     embedding: EmbeddingShape | None
     parts: tuple[Part, ...]
+    tensors: tuple[TensorInfo, ...] | None = None  # every tensor of the source, in its order; None in version 1
     version: int = PACKAGE_VERSION
 
     def to_json(self) -> bytes:
@@ -116,6 +137,8 @@ class Manifest:
             "embedding": self.embedding.to_json() if self.embedding is not None else None,
             "parts": [p.to_json() for p in self.parts],
         }
+        if self.tensors is not None:
+            data["tensors"] = [t.to_json() for t in self.tensors]
         return (json.dumps(data, indent=1) + "\n").encode()
 
     @classmethod
@@ -205,8 +228,8 @@ def _parse_manifest(raw: bytes, origin: str) -> Manifest:
     if data.get("format") != PACKAGE_FORMAT:
         raise bad("format", data.get("format"), f"not {PACKAGE_FORMAT!r}")
     version = data.get("version")
-    if version != PACKAGE_VERSION:
-        raise bad("version", version, f"and this build reads version {PACKAGE_VERSION}")
+    if not _is_int(version) or version not in READ_VERSIONS:
+        raise bad("version", version, f"and this build reads versions {', '.join(map(str, READ_VERSIONS))}")
     source = data.get("source")
     if not isinstance(source, dict):
         raise bad("source", source, "not an object {file, sha256, bytes}")
@@ -227,6 +250,7 @@ def _parse_manifest(raw: bytes, origin: str) -> Manifest:
     if not isinstance(raw_parts, list):
         raise bad("parts", raw_parts, "not a list")
     parts = tuple(_parse_part(i, p, block_count, bad) for i, p in enumerate(raw_parts))
+    tensors = _parse_tensors(data.get("tensors"), version, bad)
     for role in ("metadata", "embedding", "output"):
         count = sum(p.role == role for p in parts)
         if count > 1 or (role == "metadata" and count == 0):
@@ -251,7 +275,7 @@ def _parse_manifest(raw: bytes, origin: str) -> Manifest:
         source_sha256=_sha_field(source.get("sha256"), "source.sha256", bad),
         source_bytes=_size_field(source.get("bytes"), "source.bytes", bad),
         architecture=arch, block_count=block_count, quantization=quantization, tied_embeddings=tied,
-        embedding=embedding, parts=parts, version=version,
+        embedding=embedding, parts=parts, tensors=tensors, version=version,
     )
 
 
@@ -291,6 +315,31 @@ def _parse_embedding(raw: object, bad: Callable[..., ModelFileError]) -> Embeddi
         raise bad("embedding.type", type_name, "not a ggml type name")
     return EmbeddingShape(_str_field(raw, "name", "embedding.name", bad), tuple(dims), type_name,
                           _size_field(raw.get("bytes"), "embedding.bytes", bad))
+
+
+def _parse_tensors(raw: object, version: int, bad: Callable[..., ModelFileError]) -> tuple[TensorInfo, ...] | None:
+    if version == 1:
+        if raw is not None:
+            raise bad("tensors", "a list", "but a version 1 manifest has none")
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise bad("tensors", raw, "not a list of the source's tensors {name, dims, type}")
+    out = []
+    for i, t in enumerate(raw):
+        where = f"tensors[{i}]"
+        if not isinstance(t, dict):
+            raise bad(where, t, "not an object {name, dims, type}")
+        dims = t.get("dims")
+        if not isinstance(dims, list) or not dims or not all(_is_int(d) and d > 0 for d in dims):
+            raise bad(f"{where}.dims", dims, "not a list of positive integers")
+        type_name = t.get("type")
+        if not isinstance(type_name, str) or type_name not in GGMLQuantizationType.__members__:
+            raise bad(f"{where}.type", type_name, "not a ggml type name")
+        out.append(TensorInfo(_str_field(t, "name", f"{where}.name", bad), tuple(dims), type_name))
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        raise bad("tensors", sorted(n for n in names if names.count(n) > 1)[0], "listed twice")
+    return tuple(out)
 
 
 def _parse_part(index: int, raw: object, block_count: int, bad: Callable[..., ModelFileError]) -> Part:
@@ -420,6 +469,8 @@ def write_package(source: str | os.PathLike[str], out: str | os.PathLike[str], *
         embedding=EmbeddingShape(embd.name, embd.dims, GGMLQuantizationType(embd.ggml_type).name, embd.n_bytes)
         if embd is not None else None,
         parts=tuple(parts),
+        tensors=tuple(TensorInfo(t.name, tuple(int(d) for d in t.field.parts[3]),
+                                 GGMLQuantizationType(int(t.tensor_type)).name) for t in reader.tensors),
     )
     data = manifest.to_json()
     tmp = out / (MANIFEST_NAME + ".tmp")
@@ -434,6 +485,7 @@ __all__ = [
     "Manifest",
     "PackageWritten",
     "Part",
+    "TensorInfo",
     "sha256_file",
     "write_package",
 ]

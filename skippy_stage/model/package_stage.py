@@ -15,6 +15,12 @@ header, and the stage file assembled from the parts the stage fetched.
   stage file out of it exactly as out of the whole model. The result is cached by the manifest's
   sha256, the range and the role: a stage that restarts fetches nothing but the manifest, and that
   only when its cached copy is gone.
+- With ``checkpoint_quantization``, :func:`stage_file` then quantizes that stage file with the whole
+  model's per-tensor types (``requantize``). The plan comes from llama.cpp's dry run over a sparse
+  copy of the whole model's header, written from what every stage holds: the metadata part's keys
+  and the manifest's list of every tensor (name, shape, type), the weights a hole
+  (:func:`write_skeleton`). The result is cached by the manifest's sha256, the range, the role, the
+  type and the importance matrix's sha256.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, ModelFileError, UnsupportedModelError
-from skippy_stage.model import gguf_file, layer_rules
+from skippy_stage.model import gguf_file, layer_rules, requantize
 from skippy_stage.model.package import PACKAGE_VERSION, Manifest, Part
 from skippy_stage.model.package_fetch import PackageSource, fetch_manifest, fetch_part, open_package, package_cache
 from skippy_stage.model.slicing import (
@@ -92,6 +98,10 @@ def plan(cfg: StageConfig, *, progress: bool | None = None) -> PackagePlan:
         source = open_package(cfg.package_ref, who=cfg.stage_id)
         manifest = fetch_manifest(source, cfg.manifest_sha256, cache)
         check_architecture(manifest.architecture)
+        if cfg.checkpoint_quantization != "preserve" and manifest.tensors is None:
+            raise ConfigError(f"checkpoint_quantization={cfg.checkpoint_quantization} needs the whole model's "
+                              f"tensor list, which a version {manifest.version} manifest lacks: cut the package "
+                              f"again with `skippy-stage package` (version {PACKAGE_VERSION})")
         parts = manifest.parts_for(cfg.layer_start, cfg.layer_end, head=cfg.include_embeddings,
                                    final=bool(cfg.include_output),
                                    needs_output=layer_rules.rule_for(manifest.architecture).needs_output)
@@ -131,7 +141,8 @@ def prepare(cfg: StageConfig) -> StageConfig:
 
 
 def stage_file(cfg: StageConfig, progress: bool | None = None) -> StageFile:
-    """The stage file of ``cfg``'s range, from the cache or assembled now from the package's parts."""
+    """The stage file of ``cfg``'s range, from the cache or assembled now from the package's parts;
+    with ``checkpoint_quantization``, that file quantized with the whole model's types."""
     found = plan(cfg, progress=progress)
     start, end, final = cfg.layer_start, cfg.layer_end, bool(cfg.include_output)
     role = "final" if final else "inner"
@@ -152,8 +163,32 @@ def stage_file(cfg: StageConfig, progress: bool | None = None) -> StageFile:
             partial.unlink(missing_ok=True)
 
     with _named(cfg):
-        return cached_file(path, build, {"package_ref": cfg.package_ref, "manifest_sha256": found.manifest_sha256,
+        made = cached_file(path, build, {"package_ref": cfg.package_ref, "manifest_sha256": found.manifest_sha256,
                                          "layer_start": start, "layer_end": end, "final": final})
+    if cfg.checkpoint_quantization == "preserve":
+        return made
+    quantized = requantize.requantized_stage_file(
+        cfg, found.directory / found.file_name, made.path, directory=found.directory,
+        source_key=f"package|{found.manifest_sha256}|{start}:{end}|{role}",
+        skeleton=lambda dest: write_skeleton(dest, found))
+    return StageFile(path=quantized.path, built=made.built or quantized.built,
+                     seconds=made.seconds + quantized.seconds)
+
+
+def write_skeleton(dest: Path, found: PackagePlan) -> None:
+    """The whole model's header at ``dest``, as a sparse file: the metadata part's keys (every key of
+    the source, byte for byte) and the manifest's tensor infos (every tensor of the source, in its
+    order), the weights a hole. llama.cpp's quantizer plans from it, in a dry run, as from the source."""
+    tensors = found.manifest.tensors
+    if tensors is None:  # plan() refuses quantizing from such a manifest
+        raise ConfigError(f"package manifest version {found.manifest.version} lists no tensors")
+    meta = _read_part(found.parts[0], found.metadata_path)
+    try:
+        gguf_file.write_skeleton(dest, meta.metadata,
+                                 [(t.name, t.dims, int(GGMLQuantizationType[t.ggml_type])) for t in tensors],
+                                 alignment=meta.alignment, order=meta.order)
+    except ValueError as exc:
+        raise ModelFileError(f"package manifest {found.source.location('manifest.json')}: {exc}") from None
 
 
 def fetch(found: PackagePlan, *, progress: bool | None = None) -> dict[str, Path]:
@@ -237,4 +272,4 @@ def _zeros_like(manifest: Manifest, origin: str) -> gguf_file.Tensor:
     return gguf_file.Tensor(shape.name, shape.dims, int(ggml_type), np.zeros(shape.bytes, dtype=np.uint8))
 
 
-__all__ = ["PackagePlan", "check", "fetch", "plan", "prepare", "stage_file", "write_partial_source"]
+__all__ = ["PackagePlan", "check", "fetch", "plan", "prepare", "stage_file", "write_partial_source", "write_skeleton"]

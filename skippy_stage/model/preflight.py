@@ -3,12 +3,17 @@
 ``check`` runs every check ``serve`` makes before it loads weights (the config itself, its
 exposure and credential files, the GGUF's header against the layer range, the loader policy
 against this host) and prints the effective config with every default filled in, the context
-size included. ``info`` prints what a bug report needs: versions, llama.cpp's view of the CPU,
-devices and the loader policy that applies on this host.
+size included, and what the stage's weights and KV cache will take: its weights at the effective
+``checkpoint_quantization`` (the bytes from the dry-run plan of llama.cpp's quantizer when it
+requantizes, ``quant_bytes``; the source's own otherwise). ``info`` prints what a bug report needs:
+versions, llama.cpp's view of the CPU, devices, the loader policy that applies on this host and the
+quantization types this build can produce.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,61 @@ def effective_config(path: str | Path) -> tuple[StageConfig, str]:
     return cfg.replace(ctx_size=size.n_ctx), size.reason
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """What a stage will hold: its weights at its effective quantization, and its KV cache."""
+
+    quantization: str  # checkpoint_quantization: preserve, or the type asked
+    types: dict[str, int]  # ggml type -> how many of the stage's tensors have it
+    weight_bytes: int
+    source_weight_bytes: int  # the same tensors as the source GGUF holds them
+    kv_bytes: int
+    available_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        held = ", ".join(f"{t} x{n}" for t, n in sorted(self.types.items(), key=lambda kv: -kv[1]))
+        what = "the GGUF's own types" if self.quantization == "preserve" else "requantized at start"
+        line = (f"quantization {self.quantization} ({what}: {held}); weights {self.weight_bytes} bytes "
+                f"({self.weight_bytes / mib:.1f} MiB")
+        if self.quantization != "preserve":
+            line += f"; {self.source_weight_bytes / mib:.1f} MiB as the GGUF holds them"
+        return (line + f"), KV cache {self.kv_bytes / mib:.1f} MiB: {self.total_bytes / mib:.1f} MiB "
+                f"of {self.available_bytes / mib:.0f} MiB available")
+
+
+def stage_memory(cfg: StageConfig) -> StageMemory | None:
+    """The memory ``cfg`` (with ctx_size resolved) will take, or None for a stage loaded from a layer
+    package (its parts are not here to read)."""
+    import gguf
+
+    from skippy_stage.model.quant_bytes import tensor_sizes
+    from skippy_stage.model.slicing import read_model_info
+
+    if cfg.package_ref is not None:
+        return None
+    info = read_model_info(cfg.model_path)
+    reader = gguf.GGUFReader(info.path, "r")  # once: gguf-py takes seconds over a large vocabulary
+    sliced = cfg.load_mode == "artifact-slice"  # the file is the stage file itself, served as is
+    start, end = (0, info.block_count) if sliced else (cfg.layer_start, cfg.layer_end)
+    final = True if sliced else bool(cfg.include_output)
+    tensors = tensor_sizes(info.path, cfg.checkpoint_quantization, reader).stage_tensors(start, end, final)
+    source = tensor_sizes(info.path, "preserve", reader).stage_tensors(start, end, final)
+    per_token = loader.kv_bytes_per_token(info, range(start, end), cfg.cache_type_k, cfg.cache_type_v)
+    return StageMemory(
+        quantization=cfg.checkpoint_quantization,
+        types=dict(Counter(t for t, _ in tensors.values())),
+        weight_bytes=sum(b for _, b in tensors.values()),
+        source_weight_bytes=sum(b for _, b in source.values()),
+        kv_bytes=per_token * int(cfg.ctx_size or 0),
+        available_bytes=host_facts.memory_available(),
+    )
+
+
 def loader_policy(info: host_facts.HostInfo) -> dict[str, Any]:
     defaults = StageConfig.__dataclass_fields__
     return {
@@ -69,9 +129,11 @@ def info_report() -> dict[str, Any]:
     report["cpu_flags"] = [f for f in NOTABLE_FLAGS if f in info.cpu_flags]
     report["loader_policy"] = loader_policy(info)
     library = native_library_path()
+    from skippy_stage.model.quant_bytes import quantizations
     from skippy_stage.model.slicing import accepted_architectures
 
     report["architectures"] = sorted(accepted_architectures())
+    report["quantizations"] = [q.to_dict() for q in quantizations()]
     report["hidden_state_capture"] = (f"native ({library.name})" if library is not None
                                       else "python: the compiled capture is missing (reinstall with a C compiler)")
     return report
@@ -89,6 +151,8 @@ def format_info(report: dict[str, Any]) -> str:
         f"AMX_INT8          {'yes (its repacked kernels are not used: repack stays off)' if report['amx'] else 'no'}",
         f"capture           {report['hidden_state_capture']}",
         f"architectures     {len(report['architectures'])} proven split == unsplit: {', '.join(report['architectures'])}",
+        f"quantizations     {', '.join(q['name'] + ('*' if q['needs_imatrix'] else '') for q in report['quantizations'])}"
+        " (* only with checkpoint_imatrix)",
         f"memory            {report['memory_available'] // mib} MiB available of {report['memory_total'] // mib} MiB",
         "devices",
     ]

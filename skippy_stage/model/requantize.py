@@ -18,8 +18,9 @@ whole model's indices nor its count, so quantized alone it would get other types
    the slice's tensors are the whole quantized model's, bit for bit.
 
 The dry run needs only the header: a sparse "skeleton" (the whole model's header, the weights a
-hole, :func:`write_skeleton`) plans as the whole file does. Importance matrices are read from
-llama.cpp's imatrix GGUF (``<tensor>.in_sum2`` and ``<tensor>.counts``, normalised as
+hole, :func:`write_skeleton`) plans as the whole file does. A stage loaded from a layer package writes
+one from the package's metadata part and its manifest's tensor list (``package_stage.write_skeleton``).
+Importance matrices are read from llama.cpp's imatrix GGUF (``<tensor>.in_sum2`` and ``<tensor>.counts``, normalised as
 ``llama-quantize`` does) after their sha256 is checked. The result lives in the stage-file cache,
 keyed by the slice's key (the source's identity, the range and the role), the type and the imatrix.
 """
@@ -33,6 +34,7 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,22 +269,40 @@ def uses_token_embd(head: bool, final: bool, tensors: dict[str, str]) -> bool:
     return "token_embd.weight" in tensors and (head or (final and "output.weight" not in tensors))
 
 
-def requantized_stage_file(cfg: StageConfig, whole_model: Path, stage_path: Path) -> StageFile:
+def requantized_stage_file(cfg: StageConfig, whole_model: Path, stage_path: Path, *,
+                           source_key: str | None = None, directory: Path | None = None,
+                           skeleton: Callable[[Path], None] | None = None) -> StageFile:
     """The stage file ``stage_path`` (the slice of ``whole_model`` for this range, or the whole model
     itself) quantized to ``cfg.checkpoint_quantization`` with the whole model's types, built or reused
-    from the cache."""
+    from the cache.
+
+    A stage without the whole GGUF (one loaded from a layer package) gives ``source_key`` (what names
+    the model and the stage's range and role in the cache key, in place of the file's identity),
+    ``directory`` (where the file is cached) and ``skeleton(dest)``, which writes the whole model's
+    header at ``dest`` as a sparse file: the plan is made from that, only when the file is built."""
     started = time.perf_counter()
     quantization = cfg.checkpoint_quantization
     imatrix = checked_imatrix(cfg)
     role = "final" if cfg.include_output else "inner"
-    ident = "|".join((cache_key(whole_model, cfg.layer_start, cfg.layer_end, bool(cfg.include_output)),
-                      quantization, str(cfg.checkpoint_imatrix_sha256 or "-").lower(), f"q{QUANT_FORMAT_VERSION}"))
+    if source_key is None:
+        source_key = cache_key(whole_model, cfg.layer_start, cfg.layer_end, bool(cfg.include_output))
+    ident = "|".join((source_key, quantization, str(cfg.checkpoint_imatrix_sha256 or "-").lower(),
+                      f"q{QUANT_FORMAT_VERSION}"))
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    directory = Path(cfg.cache_dir) if cfg.cache_dir is not None else default_cache_dir()
+    if directory is None:
+        directory = Path(cfg.cache_dir) if cfg.cache_dir is not None else default_cache_dir()
     path = directory / f"{whole_model.stem}.{cfg.layer_start}-{cfg.layer_end}.{role}.{quantization}.{key}.gguf"
 
+    def whole_plan() -> TypePlan:
+        if skeleton is None:
+            return whole_model_plan(whole_model, quantization, imatrix, cfg.n_threads)
+        with tempfile.TemporaryDirectory(prefix=".skeleton-", dir=directory) as scratch:
+            header = Path(scratch) / whole_model.name
+            skeleton(header)
+            return whole_model_plan(header, quantization, imatrix, cfg.n_threads)
+
     def build(tmp: Path) -> None:
-        plan = whole_model_plan(whole_model, quantization, imatrix, cfg.n_threads)
+        plan = whole_plan()
         missing = plan.needs_imatrix() if imatrix is None else []
         if missing:
             raise ConfigError(f"stage {cfg.stage_id}: checkpoint_imatrix is unset, but llama.cpp quantizes "
@@ -295,7 +315,8 @@ def requantized_stage_file(cfg: StageConfig, whole_model: Path, stage_path: Path
         quantize_file(stage_path, tmp, quantization, types=types,
                       imatrix=slice_imatrix(imatrix, cfg.layer_start, cfg.layer_end), nthread=cfg.n_threads)
 
-    made = cached_file(path, build, {"source": str(whole_model.resolve()), "layer_start": cfg.layer_start,
+    origin = str(whole_model.resolve()) if skeleton is None else source_key
+    made = cached_file(path, build, {"source": origin, "layer_start": cfg.layer_start,
                                      "layer_end": cfg.layer_end, "final": bool(cfg.include_output),
                                      "quantization": quantization,
                                      "imatrix_sha256": cfg.checkpoint_imatrix_sha256}, started=started)

@@ -119,6 +119,8 @@ def stage_configs(
         }
         if cache_dir is not None:
             cfg["cache_dir"] = cache_dir
+        if plan.quantized:  # the stage quantizes its own slice at start, into cache_dir
+            cfg["checkpoint_quantization"] = stage.quantization
         if metrics_port is not None:
             cfg["metrics_port"] = metrics_port
         # The final stage sends sampled tokens straight back to the head's frame listener;

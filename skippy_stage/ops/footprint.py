@@ -4,6 +4,9 @@
 - the non-layer tensors every stage file carries (``token_embd.weight``, which llama.cpp
   insists on even when the stage never embeds, ``output_norm.weight``, ...);
 - ``output.*`` only on the final stage (tied-embedding models have none);
+- at a ``checkpoint_quantization`` other than ``preserve``, every tensor at the type the whole
+  model's quantization gives it (``model.quant_bytes``), except the ``token_embd.weight`` of a
+  stage that does not compute with it, which keeps the source's bytes (``unused_embd_bytes``);
 - the KV cache of its layers: 2 (K and V) x cells x n_embd_kv x bytes per element of the
   cache type, where n_embd_kv = head_count_kv x head size. Every layer is charged the full
   cache, an upper bound for sliding-window layers.
@@ -41,10 +44,20 @@ class ModelFootprint:
     output_bytes: int  # output.* tensors, final stage only
     n_embd_k: tuple[int, ...]  # per layer: head_count_kv x key_length
     n_embd_v: tuple[int, ...]
+    quantization: str = "preserve"
+    # What a stage that does not compute with token_embd.weight pays beyond shared_bytes: it keeps the
+    # source's type there (requantize.uses_token_embd). 0 at preserve.
+    unused_embd_bytes: int = 0
+    tied_embeddings: bool = False  # no output.weight: the final stage's head is token_embd.weight
 
     @property
     def tensor_bytes(self) -> int:
         return sum(self.layer_weight_bytes) + self.shared_bytes + self.output_bytes
+
+    def fixed_bytes(self, head: bool, final: bool) -> int:
+        """The non-layer tensors a stage file holds: shared ones, and ``output.*`` on the final stage."""
+        uses_embd = head or (final and self.tied_embeddings)
+        return self.shared_bytes + (self.output_bytes if final else 0) + (0 if uses_embd else self.unused_embd_bytes)
 
 
 def _per_layer(value: object, block_count: int, key: str, path: Path) -> tuple[int, ...]:
@@ -56,10 +69,17 @@ def _per_layer(value: object, block_count: int, key: str, path: Path) -> tuple[i
     return (int(value),) * block_count
 
 
-def read_footprint(model_path: str | Path) -> ModelFootprint:
-    """Read tensor sizes and the KV shape from a GGUF (refusing unsupported architectures)."""
+def read_footprint(model_path: str | Path, quantization: str = "preserve") -> ModelFootprint:
+    """Read tensor sizes and the KV shape from a GGUF (refusing unsupported architectures), the
+    tensors at ``quantization``'s planned types (a dry run of llama.cpp's quantizer, header only)."""
+    return read_footprints(model_path, (quantization,))[0]
+
+
+def read_footprints(model_path: str | Path, quantizations: tuple[str, ...]) -> list[ModelFootprint]:
+    """:func:`read_footprint` at each of ``quantizations``, the GGUF read once."""
     from gguf import GGUFReader
 
+    from skippy_stage.model.quant_bytes import tensor_sizes
     from skippy_stage.model.slicing import check_architecture, layer_index, read_model_info
 
     info = read_model_info(model_path)  # ConfigError for a missing or non-GGUF file
@@ -71,19 +91,10 @@ def read_footprint(model_path: str | Path) -> ModelFootprint:
         field = reader.get_field(f"{arch}.{key}")
         return None if field is None else field.contents()
 
-    layers = [0] * n
-    shared = output = 0
     for tensor in reader.tensors:
-        size = int(tensor.n_bytes)
         index = layer_index(tensor.name)
-        if index is not None:
-            if not 0 <= index < n:
-                raise PlanError(f"model file {info.path}: tensor {tensor.name} is beyond block_count {n}")
-            layers[index] += size
-        elif tensor.name.startswith("output."):  # as slicing._is_kept: the head only in the final stage
-            output += size
-        else:
-            shared += size
+        if index is not None and not 0 <= index < n:
+            raise PlanError(f"model file {info.path}: tensor {tensor.name} is beyond block_count {n}")
 
     head_count = meta("attention.head_count")
     if head_count is None:
@@ -97,17 +108,34 @@ def read_footprint(model_path: str | Path) -> ModelFootprint:
         head_dim = info.n_embd // heads[il] if heads[il] else 0
         n_embd_k.append(heads_kv[il] * (int(key_length) if key_length is not None else head_dim))
         n_embd_v.append(heads_kv[il] * (int(value_length) if value_length is not None else head_dim))
-    return ModelFootprint(
-        path=info.path,
-        name=info.name,
-        architecture=arch,
-        block_count=n,
-        layer_weight_bytes=tuple(layers),
-        shared_bytes=shared,
-        output_bytes=output,
-        n_embd_k=tuple(n_embd_k),
-        n_embd_v=tuple(n_embd_v),
-    )
+    footprints = []
+    for quantization in quantizations:
+        sizes = tensor_sizes(info.path, quantization, reader)
+        layers = [0] * n
+        shared = output = 0
+        for name, size in sizes.bytes.items():
+            index = layer_index(name)
+            if index is not None:
+                layers[index] += size
+            elif name.startswith("output."):  # as slicing._is_kept: the head only in the final stage
+                output += size
+            else:
+                shared += size
+        footprints.append(ModelFootprint(
+            path=info.path,
+            name=info.name,
+            architecture=arch,
+            block_count=n,
+            layer_weight_bytes=tuple(layers),
+            shared_bytes=shared,
+            output_bytes=output,
+            n_embd_k=tuple(n_embd_k),
+            n_embd_v=tuple(n_embd_v),
+            quantization=quantization,
+            unused_embd_bytes=sizes.source_bytes.get("token_embd.weight", 0) - sizes.bytes.get("token_embd.weight", 0),
+            tied_embeddings="output.weight" not in sizes.bytes,
+        ))
+    return footprints
 
 
 def _bytes_for(cells: int, width: int, cache_type: str) -> int:

@@ -16,6 +16,12 @@ layers take; nodes are then filled greedily in order up to that share, so a node
 the room gets about twice the layers. A model that does not fit is refused with a
 :class:`DoesNotFitError` that says by how much.
 
+A stage's weights depend on its quantization (``checkpoint_quantization``): each node may be
+given its own footprint (the model at that node's type). :func:`plan_quantized` picks, per node,
+the highest precision of a ladder that still admits a split: every node starts at the top, the node
+whose step down relieves the split most steps down until one fits, then each node steps back up
+while the split still fits.
+
 Which nodes to use, and in which order, when the links between them cost time: ``placement``.
 """
 
@@ -62,6 +68,7 @@ class StagePlan:
     overhead_bytes: int
     total_bytes: int
     budget_bytes: int
+    quantization: str = "preserve"  # the stage's checkpoint_quantization
 
     @property
     def n_layers(self) -> int:
@@ -92,6 +99,11 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(s.total_bytes for s in self.stages)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether some stage quantizes its slice (the configs then name every stage's type)."""
+        return any(s.quantization != "preserve" for s in self.stages)
+
     def format_table(self) -> str:
         head = (
             f"{self.model.path.name} ({self.model.architecture}, {self.model.block_count} layers): "
@@ -99,12 +111,16 @@ class Plan:
             f"overhead {self.overhead_bytes / MIB:.0f} MiB/node"
         )
         width = max(4, *(len(s.node) for s in self.stages))
-        cols = f"{'node':<{width}}  {'layers':>7}  {'weights MiB':>11}  {'KV MiB':>8}  {'overhead MiB':>12}  " \
-               f"{'total MiB':>9}  {'budget MiB':>10}  {'used':>5}"
+        quantized = self.quantized
+        cols = f"{'node':<{width}}  {'layers':>7}  " + (f"{'quant':>8}  " if quantized else "") + \
+               f"{'weights MiB':>11}  {'KV MiB':>8}  {'overhead MiB':>12}  {'total MiB':>9}  {'budget MiB':>10}  " \
+               f"{'used':>5}"
         lines = [head, cols]
         for s in self.stages:
             lines.append(
-                f"{s.node:<{width}}  {f'{s.layer_start}:{s.layer_end}':>7}  {s.weight_bytes / MIB:>11.1f}  "
+                f"{s.node:<{width}}  {f'{s.layer_start}:{s.layer_end}':>7}  "
+                + (f"{s.quantization:>8}  " if quantized else "")
+                + f"{s.weight_bytes / MIB:>11.1f}  "
                 f"{s.kv_bytes / MIB:>8.1f}  {s.overhead_bytes / MIB:>12.1f}  {s.total_bytes / MIB:>9.1f}  "
                 f"{s.budget_bytes / MIB:>10.1f}  {100 * s.total_bytes / s.budget_bytes:>4.0f}%"
             )
@@ -113,7 +129,8 @@ class Plan:
         kv = sum(s.kv_bytes for s in self.stages)
         overhead = sum(s.overhead_bytes for s in self.stages)
         lines.append(
-            f"{'all':<{width}}  {f'0:{self.model.block_count}':>7}  {weights / MIB:>11.1f}  {kv / MIB:>8.1f}  "
+            f"{'all':<{width}}  {f'0:{self.model.block_count}':>7}  " + (f"{'':>8}  " if quantized else "")
+            + f"{weights / MIB:>11.1f}  {kv / MIB:>8.1f}  "
             f"{overhead / MIB:>12.1f}  {self.total_bytes / MIB:>9.1f}  {budget / MIB:>10.1f}  "
             f"{100 * self.total_bytes / budget:>4.0f}%"
         )
@@ -162,8 +179,13 @@ def plan_stages(
     lanes: int = 4,
     cache_type: str = "f16",
     overhead_mib: float = DEFAULT_OVERHEAD_MIB,
+    models: list[ModelFootprint] | None = None,
 ) -> Plan:
-    """Split ``model`` into contiguous layer ranges over ``nodes`` (in order), or refuse."""
+    """Split ``model`` into contiguous layer ranges over ``nodes`` (in order), or refuse.
+
+    ``models``, one per node, are the model's footprint at each node's quantization (default: ``model``
+    on every node).
+    """
     _check_nodes(nodes)
     if overhead_mib < 0:
         raise PlanError(f"overhead {overhead_mib!r} MiB must be >= 0")
@@ -171,36 +193,22 @@ def plan_stages(
     if n_nodes > n_layers:
         raise DoesNotFitError(f"{n_nodes} nodes for {n_layers} layers: every node needs at least one layer",
                               brief=f"{n_nodes} stages for {n_layers} layers")
+    per_node = [model] * n_nodes if models is None else list(models)
+    if len(per_node) != n_nodes:
+        raise PlanError(f"{len(per_node)} footprints for {n_nodes} nodes")
     kv = kv_bytes_per_layer(model, ctx_size, lanes, cache_type)
     overhead = int(overhead_mib * MIB)
-    layer_cost = [w + k for w, k in zip(model.layer_weight_bytes, kv)]
-    prefix = [0]
-    for c in layer_cost:
-        prefix.append(prefix[-1] + c)
-    fixed = [overhead + model.shared_bytes + (model.output_bytes if j == n_nodes - 1 else 0) for j in range(n_nodes)]
+    layer_costs = [[w + k for w, k in zip(m.layer_weight_bytes, kv)] for m in per_node]
+    prefixes = [_prefix(c) for c in layer_costs]
+    fixed = [overhead + m.fixed_bytes(j == 0, j == n_nodes - 1) for j, m in enumerate(per_node)]
     budgets = [node.budget_bytes for node in nodes]
     room = [b - f for b, f in zip(budgets, fixed)]
 
-    _refuse_if_short(model, nodes, budgets, fixed, room, layer_cost, prefix[-1], kv, overhead)
-
-    def cost(s: int, e: int) -> int:
-        return prefix[e] - prefix[s]
-
-    # Every possible share cost(s, e) / room_j; the answer is the smallest one that admits a split.
-    candidates = sorted({cost(s, e) / room[j] for j in range(n_nodes) for s in range(n_layers)
-                         for e in range(s + 1, n_layers + 1)})
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _split(prefix, room, candidates[mid]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    share = candidates[lo]
-    ranges = _split(prefix, room, share)
-    assert ranges is not None  # the largest candidate always admits a split (each room > 0)
+    _refuse_if_short(model, nodes, budgets, fixed, room, layer_costs, kv, overhead)
+    share, ranges = _best_split(prefixes, room)
     if share > 1:
-        over = max((cost(s, e) - r, nodes[j].name) for j, ((s, e), r) in enumerate(zip(ranges, room)))
+        over = max((prefixes[j][e] - prefixes[j][s] - r, nodes[j].name)
+                   for j, ((s, e), r) in enumerate(zip(ranges, room)))
         raise DoesNotFitError(
             f"model {model.path.name} does not fit these nodes in contiguous layer ranges: the closest split "
             f"({', '.join(f'{nd.name}={s}:{e}' for nd, (s, e) in zip(nodes, ranges))}) still overcommits node "
@@ -209,22 +217,50 @@ def plan_stages(
         )
     stages = []
     for j, (node, (s, e)) in enumerate(zip(nodes, ranges)):
-        weights = sum(model.layer_weight_bytes[s:e]) + model.shared_bytes
-        weights += model.output_bytes if j == n_nodes - 1 else 0
+        m = per_node[j]
+        weights = sum(m.layer_weight_bytes[s:e]) + m.fixed_bytes(j == 0, j == n_nodes - 1)
         kv_stage = sum(kv[s:e])
         stages.append(StagePlan(
             node=node.name, layer_start=s, layer_end=e, weight_bytes=weights, kv_bytes=kv_stage,
             overhead_bytes=overhead, total_bytes=weights + kv_stage + overhead, budget_bytes=budgets[j],
+            quantization=m.quantization,
         ))
     return Plan(model=model, stages=tuple(stages), ctx_size=ctx_size, lanes=lanes, cache_type=cache_type,
                 overhead_bytes=overhead)
 
 
+def _prefix(costs: list[int]) -> list[int]:
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    return prefix
+
+
+def _best_split(prefixes: list[list[int]], room: list[int]) -> tuple[float, list[tuple[int, int]]]:
+    """The smallest largest share of any node's room its layers take, and the split that achieves it
+    (``prefixes[j]``: node j's cumulative layer costs; every room > 0)."""
+    n_layers, n_nodes = len(prefixes[0]) - 1, len(room)
+    # Every possible share cost_j(s, e) / room_j; the answer is the smallest one that admits a split.
+    candidates = sorted({(prefixes[j][e] - prefixes[j][s]) / room[j] for j in range(n_nodes)
+                         for s in range(n_layers) for e in range(s + 1, n_layers + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _split(prefixes, room, candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    ranges = _split(prefixes, room, candidates[lo])
+    assert ranges is not None  # the largest candidate always admits a split (each room > 0)
+    return candidates[lo], ranges
+
+
 def _refuse_if_short(model: ModelFootprint, nodes: list[NodeSpec], budgets: list[int], fixed: list[int],
-                     room: list[int], layer_cost: list[int], layers_total: int, kv: tuple[int, ...],
-                     overhead: int) -> None:
+                     room: list[int], layer_costs: list[list[int]], kv: tuple[int, ...], overhead: int) -> None:
     """Refuse, saying by how much, when the budgets add up short or a node cannot take one layer."""
     problems, briefs = [], []
+    # Each layer on the node where it costs least: a bound no split can beat.
+    layers_total = sum(min(costs) for costs in zip(*layer_costs))
     need = layers_total + sum(fixed)
     if need > sum(budgets):
         briefs.append(f"short by {format_bytes(need - sum(budgets))} in all")
@@ -234,8 +270,8 @@ def _refuse_if_short(model: ModelFootprint, nodes: list[NodeSpec], budgets: list
             f"KV {format_bytes(sum(kv))}, overhead {len(nodes)} x {format_bytes(overhead)}) but their budgets "
             f"sum to {format_bytes(sum(budgets))}: short by {format_bytes(need - sum(budgets))}"
         )
-    smallest = min(layer_cost)
-    for node, budget, f, r in zip(nodes, budgets, fixed, room):
+    for node, budget, f, r, costs in zip(nodes, budgets, fixed, room, layer_costs):
+        smallest = min(costs)
         if r < smallest:
             briefs.append(f"node {node.name} cannot hold one layer")
             problems.append(
@@ -247,16 +283,17 @@ def _refuse_if_short(model: ModelFootprint, nodes: list[NodeSpec], budgets: list
         raise DoesNotFitError("; ".join(problems), brief=", ".join(briefs))
 
 
-def _split(prefix: list[int], room: list[int], share: float) -> list[tuple[int, int]] | None:
+def _split(prefixes: list[list[int]], room: list[int], share: float) -> list[tuple[int, int]] | None:
     """Contiguous ranges where node j's layers cost at most ``share`` of room[j], or None.
 
     ok[j][s]: layers s.. can be split among nodes j..; nodes are then filled greedily in
     order, each taking the most layers that still leave the rest splittable.
     """
-    n_layers, n_nodes = len(prefix) - 1, len(room)
+    n_layers, n_nodes = len(prefixes[0]) - 1, len(room)
 
     def reach(j: int, s: int) -> int:
         """The largest end e such that layers s:e fit node j at this share."""
+        prefix = prefixes[j]
         limit = share * room[j]
         # prefix is increasing: find the last e with prefix[e] - prefix[s] <= limit
         e = bisect.bisect_right(prefix, prefix[s] + limit) - 1
@@ -288,6 +325,68 @@ def _split(prefix: list[int], room: list[int], share: float) -> list[tuple[int, 
     return ranges
 
 
-def make_plan(model_path: str | Path, nodes: list[NodeSpec], **kwargs: Any) -> Plan:
-    """Read the GGUF and plan it over ``nodes``; keyword arguments as :func:`plan_stages`."""
-    return plan_stages(read_footprint(model_path), nodes, **kwargs)
+def make_plan(model_path: str | Path, nodes: list[NodeSpec], quantization: str = "preserve", **kwargs: Any) -> Plan:
+    """Read the GGUF and plan it over ``nodes``, every stage at ``quantization``; keyword arguments as
+    :func:`plan_stages`."""
+    return plan_stages(read_footprint(model_path, quantization), nodes, **kwargs)
+
+
+# ``plan --quantization auto``: the types tried, highest precision first. None needs an imatrix.
+AUTO_QUANTIZATIONS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "IQ4_XS")
+
+
+def quantization_ladder(footprints: list[ModelFootprint]) -> list[ModelFootprint]:
+    """The model's footprints at several types ordered from the highest precision down: by the bytes
+    the whole model's weights take (``preserve`` ranks where its own type falls, first on a tie)."""
+    return sorted(footprints, key=lambda m: (-m.tensor_bytes, m.quantization != "preserve"))
+
+
+def plan_quantized(ladder: list[ModelFootprint], nodes: list[NodeSpec], **kwargs: Any) -> Plan:
+    """The plan with, per node, the highest precision of ``ladder`` (the model's footprints, highest
+    first) that still lets the split fit; keyword arguments as :func:`plan_stages`.
+
+    Every node starts at the top; while no split fits, the node whose step down relieves the split
+    most (the nodes short of one layer first, then the largest share of a node's room) steps down;
+    once a split fits, each node in order steps back up while it still fits.
+    """
+    if not ladder:
+        raise PlanError("no quantization to choose from")
+    _check_nodes(nodes)
+    model, n_nodes = ladder[0], len(nodes)
+    kv = kv_bytes_per_layer(model, kwargs.get("ctx_size", 4096), kwargs.get("lanes", 4),
+                            kwargs.get("cache_type", "f16"))
+    overhead = int(kwargs.get("overhead_mib", DEFAULT_OVERHEAD_MIB) * MIB)
+    if n_nodes > model.block_count:
+        return plan_stages(model, nodes, **kwargs)  # refused there, by name
+
+    def pressure(levels: list[int]) -> tuple[int, float]:
+        """(bytes the nodes short of one layer lack, the best split's largest share): fits at (0, <= 1)."""
+        prefixes, room, short = [], [], 0
+        for j, (node, level) in enumerate(zip(nodes, levels)):
+            m = ladder[level]
+            costs = [w + k for w, k in zip(m.layer_weight_bytes, kv)]
+            r = node.budget_bytes - overhead - m.fixed_bytes(j == 0, j == n_nodes - 1)
+            short += max(0, min(costs) - r)
+            prefixes.append(_prefix(costs))
+            room.append(r)
+        if short:
+            return short, float("inf")
+        return 0, _best_split(prefixes, room)[0]
+
+    def fits(levels: list[int]) -> bool:
+        short, share = pressure(levels)
+        return short == 0 and share <= 1
+
+    levels = [0] * n_nodes
+    while not fits(levels):
+        steps = [(pressure(levels[:j] + [levels[j] + 1] + levels[j + 1:]), j)
+                 for j in range(n_nodes) if levels[j] + 1 < len(ladder)]
+        if not steps:
+            break  # every node at the lowest: plan_stages says by how much it misses
+        levels[min(steps)[1]] += 1
+    if fits(levels):
+        for j in range(n_nodes):
+            while levels[j] > 0 and fits(levels[:j] + [levels[j] - 1] + levels[j + 1:]):
+                levels[j] -= 1
+    # Refused there when nothing fits (every node then at the lowest type, which the message names).
+    return plan_stages(ladder[max(levels)], nodes, models=[ladder[level] for level in levels], **kwargs)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 from support.chain import Chain, split_configs
 from support.packages import PackageServer
 from support.reference import Reference, chain_greedy, max_diff
@@ -105,6 +106,9 @@ def test_the_package_holds_every_tensor_and_key_of_the_source_once_under_its_own
         elif part.role == "layers":
             assert {name.split(".")[1] for name in tensors} == {str(part.layers[0])}
     assert held == source_tensors
+    # every tensor's info, in the source's order: what a stage quantizing its range plans from
+    assert [(t.name, t.dims, int(GGMLQuantizationType[t.ggml_type])) for t in manifest.tensors] == [
+        (name, dims, ggml_type) for name, (dims, ggml_type, _) in source_tensors.items()]
 
 
 def test_package_on_the_command_line_prints_the_manifest_sha256(smollm2, tmp_path):

@@ -1,20 +1,26 @@
 """``skippy-stage check`` and ``skippy-stage info``, run as an operator runs them: as commands.
 
 ``check`` exits 0 and prints the effective config as JSON (every default filled in, the
-context size resolved), or exits 2 with one line naming the field and the value. ``info``
-prints what a bug report needs.
+context size resolved) with the stage's quantization and the bytes its weights take on stderr
+(equal to the stage file's tensors), or exits 2 with one line naming the field and the value.
+``info`` prints what a bug report needs, the quantization types this build makes among it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 
 from skippy_stage.model import host
+from skippy_stage.model.chain import chain_configs
+from skippy_stage.model.preflight import stage_memory
+from skippy_stage.model.stage_file import resolve_stage_file
 
 
 def skippy(*args: str) -> subprocess.CompletedProcess[str]:
@@ -105,3 +111,36 @@ def test_info_prints_a_readable_summary():
     assert done.returncode == 0, done.stderr
     for label in ("llama-cpp-python", "llama.cpp system", "CPU flags", "devices", "loader policy", "repack"):
         assert label in done.stdout
+
+
+def test_check_names_the_stages_quantization_and_the_bytes_its_weights_take(smollm2, tmp_path):
+    kept = skippy("check", "--config", str(write(tmp_path, seed_style(smollm2))))
+    q8 = skippy("check", "--config", str(write(tmp_path, seed_style(smollm2, checkpoint_quantization="Q8_0"))))
+
+    assert kept.returncode == 0 and q8.returncode == 0, kept.stderr + q8.stderr
+    assert "quantization preserve (the GGUF's own types: Q4_1 x" in kept.stderr
+    assert "quantization Q8_0 (requantized at start: Q8_0 x" in q8.stderr
+    kept_bytes, q8_bytes = (int(re.search(r"weights (\d+) bytes", d.stderr)[1]) for d in (kept, q8))
+    assert q8_bytes > kept_bytes
+    assert json.loads(q8.stdout)["checkpoint_quantization"] == "Q8_0"
+
+
+def test_checks_bytes_at_q8_0_are_the_tensors_of_the_stage_file_each_stage_writes(smollm2, slice_cache):
+    for cfg in chain_configs(smollm2, [(0, 10), (10, 20), (20, 30)], slice_cache, checkpoint_quantization="Q8_0"):
+        memory = stage_memory(cfg)
+        path, _, _ = resolve_stage_file(cfg)
+        reader = gguf.GGUFReader(path)
+        held = sum(int(t.n_bytes) for t in reader.tensors)
+        print(f"SmolLM2 {cfg.layer_start}:{cfg.layer_end} at Q8_0: check says {memory.weight_bytes} bytes, "
+              f"the stage file holds {held} bytes of tensors ({path.stat().st_size} with its header)")
+        assert memory.quantization == "Q8_0" and memory.weight_bytes == held
+        assert 0 <= path.stat().st_size - memory.weight_bytes <= reader.data_offset
+
+
+def test_info_lists_the_quantizations_this_build_makes_and_which_need_an_imatrix():
+    done = skippy("info", "--json")
+
+    assert done.returncode == 0, done.stderr
+    types = {q["name"]: q["needs_imatrix"] for q in json.loads(done.stdout)["quantizations"]}
+    assert types["preserve"] is False and types["Q4_K_M"] is False and types["Q8_0"] is False
+    assert types["IQ2_XXS"] is True and types["IQ1_S"] is True

@@ -8,24 +8,30 @@ the unsplit model quantized once to the same type. The source is llama.cpp's own
 ``llama`` test model (tests/fixtures/archs.jsonl.gz, regenerated from its seed), and the packaged
 SmolLM2 (Q4_1) requantized to Q4_K_M. Also: why the pinning matters (a slice quantized alone gets
 other types), stages at different types, and importance matrices (checked by sha256, required by
-the IQ2 types).
+the IQ2 types). The same from a layer package: stages that hold only their own parts plan from the
+whole model's header written from the manifest and the metadata part, and compute what the whole
+model quantized once computes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 from support.chain import Chain, split_configs
+from support.packages import PackageServer
 from support.reference import Reference, chain_greedy, max_diff
 
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError
-from skippy_stage.model import requantize, synthetic
+from skippy_stage.model import package_stage, requantize, synthetic
+from skippy_stage.model.package import MANIFEST_NAME, write_package
 from skippy_stage.model.slicing import read_model_info, stage_file
 from skippy_stage.model.stage_file import resolve_stage_file
 
@@ -217,3 +223,94 @@ def test_smollm2_q4_1_requantized_stage_by_stage_equals_it_requantized_once(smol
     diff = max_diff(rows, ref_rows)
     print(f"SmolLM2 Q4_1 -> Q4_K_M, split 0:10/10:30: max |logit diff| = {diff}")
     assert diff == 0.0 and tokens == ref_tokens
+
+
+# -- from a layer package ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense_package(dense, tmp_path_factory):
+    """The dense model cut into a layer package (a part per layer)."""
+    return write_package(dense, tmp_path_factory.mktemp("requantize-package") / "pkg", progress=False)
+
+
+@pytest.mark.parametrize(("quantization", "with_imatrix"), [("Q4_K_M", False), ("Q5_K_M", False), ("IQ2_XXS", True)])
+def test_stages_loaded_from_a_package_and_quantized_there_equal_the_whole_model_quantized_once(
+        quantization, with_imatrix, dense, dense_package, tmp_path):
+    """Three stages, each with a cache of its own (three hosts), load their ranges from the package over
+    HTTP and quantize them there: each plans from the whole model's header written from the manifest's
+    tensor list and the metadata part (a sparse skeleton), and fetches nothing but the manifest, the
+    metadata part and the parts of its range. The chain's logits equal the whole model quantized once."""
+    settings: dict[str, object] = {}
+    imatrix = None
+    if with_imatrix:
+        path = write_imatrix(dense, tmp_path / "imatrix.gguf")
+        imatrix = requantize.read_imatrix(path)
+        settings = dict(checkpoint_imatrix=str(path), checkpoint_imatrix_sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    whole = tmp_path / f"whole.{quantization}.gguf"
+    requantize.quantize_file(dense, whole, quantization, imatrix=imatrix, nthread=2)
+    ref_rows, ref_tokens = reference_run(whole, PROMPT, N_TOKENS)
+
+    with PackageServer(dense_package.manifest_path.parent) as server:
+        configs = [cfg.replace(cache_dir=str(tmp_path / cfg.stage_id)) for cfg in split_configs(
+            "", SPLIT, None, package_ref=server.url, manifest_sha256=dense_package.manifest_sha256,
+            load_mode="artifact-slice", kv_unified=False, checkpoint_quantization=quantization, **settings)]
+        paths = [resolve_stage_file(cfg, progress=False)[0] for cfg in configs]
+        rows, tokens = split_run(configs, PROMPT, N_TOKENS)
+        fetched = {cfg.stage_id: sorted(server.paths(agent=f"({cfg.stage_id})")) for cfg in configs}
+
+    diff = max_diff(rows, ref_rows)
+    print(f"{quantization} from the package, split {SPLIT}: max |logit diff| = {diff}")
+    assert diff == 0.0
+    assert tokens == ref_tokens
+    whole_types = tensor_types(whole)
+    for cfg, path in zip(configs, paths):
+        assert path.parent.name == dense_package.manifest_sha256[:16] and f".{quantization}." in path.name
+        held = tensor_types(path)
+        for name, type_name in held.items():
+            if name == "token_embd.weight" and not requantize.uses_token_embd(cfg.layer_start == 0, cfg.include_output,
+                                                                             held):
+                continue  # zeros in the source's type: the stage never reads them
+            i = name.split(".")[1] if name.startswith("blk.") else None
+            whole_name = name if i is None else name.replace(f"blk.{i}.", f"blk.{int(i) + cfg.layer_start}.", 1)
+            assert type_name == whole_types[whole_name], (cfg.stage_id, name)
+        layers = [f"layers-{n:03d}-{n + 1:03d}.gguf" for n in range(cfg.layer_start, cfg.layer_end)]
+        own = ["embedding.gguf"] * (cfg.layer_start == 0) + ["output.gguf"] * bool(cfg.include_output)
+        assert fetched[cfg.stage_id] == sorted([MANIFEST_NAME, "metadata.gguf", *layers, *own]), cfg.stage_id
+
+
+def test_the_packages_skeleton_plans_as_the_whole_file_does(dense, dense_package, tmp_path):
+    """What a package stage plans from: the metadata part's keys and the manifest's tensor list, the
+    weights a hole; the same header as the source's, byte for byte."""
+    (cfg,) = split_configs("", [(0, 6)], tmp_path, package_ref=str(dense_package.manifest_path.parent),
+                           manifest_sha256=dense_package.manifest_sha256, load_mode="artifact-slice")
+    skeleton = tmp_path / "skeleton.gguf"
+    package_stage.write_skeleton(skeleton, package_stage.plan(cfg))
+    data_offset = gguf.GGUFReader(dense).data_offset
+    assert skeleton.stat().st_size == dense.stat().st_size
+    assert skeleton.read_bytes()[:data_offset] == dense.read_bytes()[:data_offset]
+    assert skeleton.stat().st_blocks * 512 < dense.stat().st_size // 50
+    for quantization in ("Q4_K_M", "Q5_K_M"):
+        assert requantize.whole_model_plan(skeleton, quantization) == requantize.whole_model_plan(dense, quantization)
+
+
+def test_a_version_1_package_loads_as_it_is_but_cannot_be_quantized(dense_package, tmp_path):
+    """A manifest of version 1 lists no tensors: its stages load as the package holds them, and a stage
+    that asks to quantize is refused before it fetches a layer, naming the manifest's version."""
+    root = tmp_path / "pkg"
+    shutil.copytree(dense_package.manifest_path.parent, root)
+    data = json.loads((root / MANIFEST_NAME).read_text())
+    data["version"] = 1
+    del data["tensors"]
+    raw = (json.dumps(data, indent=1) + "\n").encode()
+    (root / MANIFEST_NAME).write_bytes(raw)
+    sha256 = hashlib.sha256(raw).hexdigest()
+
+    (_, preserve) = split_configs("", [(0, 3), (3, 6)], tmp_path / "a", package_ref=str(root), manifest_sha256=sha256,
+                                  load_mode="artifact-slice")
+    assert resolve_stage_file(preserve, progress=False)[0].is_file()
+    quantized = preserve.replace(checkpoint_quantization="Q4_K_M", cache_dir=str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match="stage-1: .*checkpoint_quantization=Q4_K_M needs the whole model's tensor "
+                                          "list, which a version 1 manifest lacks"):
+        resolve_stage_file(quantized, progress=False)
+    assert not list((tmp_path / "b").glob("package-parts/*.gguf"))
