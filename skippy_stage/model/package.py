@@ -40,7 +40,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from skippy_stage.errors import ConfigError, ModelFileError
 from skippy_stage.model import gguf_file
-from skippy_stage.model.slicing import check_architecture, layer_index, open_reader, read_model_info
+from skippy_stage.model.slicing import check_architecture, layer_index, open_reader, read_model_info, sha256_file
 
 PACKAGE_FORMAT = "skippy-stage layer package"
 PACKAGE_VERSION = 2
@@ -53,17 +53,6 @@ ROLES = ("metadata", "embedding", "output", "layers")
 # A manifest is a few KiB per hundred layers; anything this large is not one.
 MAX_MANIFEST_BYTES = 16 << 20
 _HEX = frozenset("0123456789abcdef")
-
-
-def sha256_file(path: Path, on_chunk: Callable[[int], None] | None = None) -> str:
-    """The sha256 of a file's bytes, as 64 lowercase hex digits."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-            if on_chunk is not None:
-                on_chunk(len(chunk))
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from llama_cpp import _logger as llama_logger
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, SliceError
 from skippy_stage.model import llama_ffi
-from skippy_stage.model.slicing import StageFile, cache_key, cached_file, default_cache_dir, layer_index
+from skippy_stage.model.slicing import StageFile, cache_key, cached_file, default_cache_dir, layer_index, sha256_file
 
 log = structlog.get_logger("skippy_stage.requantize")
 
@@ -225,7 +225,7 @@ def checked_imatrix(cfg: StageConfig) -> dict[str, np.ndarray] | None:
         return None
     path = Path(cfg.checkpoint_imatrix)
     try:
-        digest = _sha256(path)
+        digest = sha256_file(path)
     except OSError as exc:
         raise ConfigError(f"stage {cfg.stage_id}: checkpoint_imatrix={cfg.checkpoint_imatrix!r} "
                           f"cannot be read: {exc.strerror}") from None
@@ -324,14 +324,6 @@ def requantized_stage_file(cfg: StageConfig, whole_model: Path, stage_path: Path
         log.info("requantized stage file", stage_id=cfg.stage_id, quantization=quantization, path=str(made.path),
                  bytes=made.path.stat().st_size, seconds=round(made.seconds, 3))
     return made
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 __all__ = [

@@ -368,11 +368,14 @@ def cache_key(source: Path, layer_start: int, layer_end: int, final: bool) -> st
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def _digest(path: Path) -> str:
+def sha256_file(path: Path, on_chunk: Callable[[int], None] | None = None) -> str:
+    """The sha256 of a file's bytes, as 64 lowercase hex digits (``on_chunk``: each chunk's length read)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
     return h.hexdigest()
 
 
@@ -390,7 +393,7 @@ def _cached_file_is_intact(path: Path, manifest_path: Path) -> bool:
         manifest = json.loads(manifest_path.read_text())
         if path.stat().st_size != manifest["size"]:
             return False
-        return _digest(path) == manifest["sha256"]
+        return sha256_file(path) == manifest["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -454,7 +457,7 @@ def cached_file(path: Path, build: Callable[[Path], None], record: dict[str, obj
         build(tmp)
         with tmp.open("rb+") as f:
             os.fsync(f.fileno())
-        manifest = {"size": tmp.stat().st_size, "sha256": _digest(tmp), **record}
+        manifest = {"size": tmp.stat().st_size, "sha256": sha256_file(tmp), **record}
         manifest_path.unlink(missing_ok=True)
         tmp.chmod(0o644)
         os.replace(tmp, path)
