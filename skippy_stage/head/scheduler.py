@@ -256,6 +256,7 @@ class Scheduler:
         batches = self.batches()
         if index >= batches:
             return
+        self._start_workers(batches)  # the count may have grown since the last submit
         now = time.monotonic()
         active = sum(len(g) for g in self._groups)
         wanted = active + sum(1 + len(t.forks) for t in self._waiting)
@@ -275,8 +276,8 @@ class Scheduler:
                     member.events.put(Failed(self._capacity(f"waited {now - task.enqueued_at:.1f}s for a lane "
                                                             f"(admission_wait_s={self.limits.max_queue_wait_s})")))
                 continue
-            if group and len(group) + len(family) > share:
-                return  # another worker's (it was woken with this one)
+            if group and len(group) + len(family) > share and len(group) > min(map(len, self._groups[:batches])):
+                return  # another worker's (it was woken with this one); the smallest group takes any family
             reserve = sum(member.reserve(self.limits.max_context) for member in family)
             if active + len(family) > self.limits.lane_count or self._reserved + reserve > self.limits.kv_pool_tokens:
                 return

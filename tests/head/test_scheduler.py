@@ -593,6 +593,27 @@ def test_sessions_that_come_at_once_are_shared_fairly_between_the_batches_in_fli
     assert max(len(g) for g in groups) == 3, groups
 
 
+def test_a_request_with_several_choices_is_admitted_while_lanes_are_free_whatever_the_fair_share(make_scheduler):
+    """Three choices of one prompt need three lanes in one group at once, above the fair share of two
+    batches that each run a session: the smaller group takes them as soon as they come."""
+    chain = FakeChain()
+    chain.gate.clear()
+    scheduler = make_scheduler(chain, lane_count=8, max_inflight=2, batch_count=measured_count(1 / 3, cap=2))
+    first, second = make_task("a", 2, 6), make_task("b", 2, 6)
+    scheduler.submit(first)
+    chain.next_request()
+    scheduler.submit(second)
+    chain.next_request()
+    family = [make_task(f"n{i}", 2, 3) for i in range(3)]
+    scheduler.submit(family[0], forks=family[1:], share_prompt=False)
+    chain.gate.set()
+    for task in (first, second, *family):
+        assert outcome(task) == (expected_tokens(task), End("length"))
+    together = [s for s in chain.sessions_per_request() if {"n0", "n1", "n2"} <= s]
+    assert together, "the three choices ran in one batch"
+    assert any(len(s & {"a", "b"}) == 1 for s in together), "beside a session still running: not after it"
+
+
 def test_where_one_batch_is_enough_one_worker_runs_every_session_in_one_batch(make_scheduler):
     """On loopback (the ring a few percent of a step) the head keeps one batch, and starts no more
     workers than that: an idle worker still costs its steps."""
