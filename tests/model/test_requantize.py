@@ -7,10 +7,10 @@ files gives bit-identical logits (max |diff| == 0.0) and the same greedy tokens 
 the unsplit model quantized once to the same type. The source is llama.cpp's own full-precision
 ``llama`` test model (tests/fixtures/archs.jsonl.gz, regenerated from its seed), and the packaged
 SmolLM2 (Q4_1) requantized to Q4_K_M. Also: why the pinning matters (a slice quantized alone gets
-other types), stages at different types, and importance matrices (checked by sha256, required by
-the IQ2 types). The same from a layer package: stages that hold only their own parts plan from the
-whole model's header written from the manifest and the metadata part, and compute what the whole
-model quantized once computes.
+other types), stages at different types, and importance matrices (computed for the fixture model as
+llama-imatrix computes one, checked by sha256, required by the IQ2 types). The same from a layer
+package: stages that hold only their own parts plan from the whole model's header written from the
+manifest and the metadata part, and compute what the whole model quantized once computes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 import pytest
 from support.chain import Chain, split_configs
+from support.imatrix import compute_imatrix
 from support.packages import PackageServer
 from support.reference import Reference, chain_greedy, max_diff
 
@@ -148,31 +149,46 @@ def test_stages_at_different_types_equal_one_model_quantized_with_those_types(de
     assert diff == 0.0 and tokens == ref_tokens
 
 
-def write_imatrix(model: Path, dest: Path) -> Path:
-    """An importance matrix in llama-imatrix's GGUF format for every matrix of ``model``: per tensor,
-    ``<name>.in_sum2`` (summed squared activations, one row per matrix) and ``<name>.counts``. The
-    values are a fixed random draw: the format and the plumbing are under test, not their quality."""
-    rng = np.random.default_rng(7)
-    writer = gguf.GGUFWriter(str(dest), arch="imatrix")
-    writer.add_string("general.type", "imatrix")
-    writer.add_array("imatrix.datasets", ["synthetic"])
-    writer.add_uint32("imatrix.chunk_count", 4)
-    writer.add_uint32("imatrix.chunk_size", 512)
-    for t in gguf.GGUFReader(model).tensors:
-        if len(t.shape) < 2 or not t.name.startswith("blk.") or not t.name.endswith(".weight"):
-            continue
-        n_per_row = int(t.shape[0])  # gguf-py lists ne0 first
-        writer.add_tensor(f"{t.name}.in_sum2", (rng.random((1, n_per_row), dtype=np.float32) * 2048).astype(np.float32))
-        writer.add_tensor(f"{t.name}.counts", np.full((1, 1), 2048, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dest
+IMATRIX_TEXT = (
+    "A model that does not fit one machine is also a model nobody wants to download whole onto every "
+    "machine, and the machines of one split rarely have the same memory: each should hold its layers at "
+    "the precision that fits it. The importance matrix says which columns of each weight matter most."
+)
+IMATRIX_CHUNK = 32
 
 
-def test_an_imatrix_is_checked_then_used_and_the_iq2_types_need_one(dense, tmp_path, slice_cache):
-    imatrix = write_imatrix(dense, tmp_path / "imatrix.gguf")
+@pytest.fixture(scope="module")
+def imatrix(dense, tmp_path_factory) -> Path:
+    """An importance matrix computed for the dense model as llama-imatrix computes one: the model run
+    over ``IMATRIX_TEXT`` in chunks of 32 tokens, each weight's input squared and summed per column."""
+    return compute_imatrix(dense, IMATRIX_TEXT, tmp_path_factory.mktemp("imatrix") / "imatrix.gguf",
+                           chunk_size=IMATRIX_CHUNK)
+
+
+def test_an_imatrix_computed_for_the_model_is_real(dense, imatrix):
+    """Every matrix of every block has an entry of measured activations: one count, the tokens
+    evaluated; sums positive and different per column; attn_q/k/v read the same input (the normed
+    residual), so their sums are equal, and attn_output's (the attention's result) are not."""
+    n_tokens = len(IMATRIX_TEXT) // IMATRIX_CHUNK * IMATRIX_CHUNK
+    reader = gguf.GGUFReader(imatrix)
+    assert reader.fields["general.type"].contents() == "imatrix"
+    assert reader.fields["imatrix.chunk_count"].contents() == n_tokens // IMATRIX_CHUNK
+    data = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in reader.tensors}
+    matrices = sorted(t.name for t in gguf.GGUFReader(dense).tensors
+                      if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2)
+    assert len(matrices) == 6 * 7
+    assert sorted(data) == sorted(f"{m}.{part}" for m in matrices for part in ("in_sum2", "counts"))
+    for m in matrices:
+        sums, counts = data[f"{m}.in_sum2"], data[f"{m}.counts"]
+        assert counts.tolist() == [n_tokens], m
+        assert (sums > 0).all() and np.unique(sums).size > sums.size // 2, m
+    for i in range(6):
+        q, k, v, out = (data[f"blk.{i}.attn_{n}.weight.in_sum2"] for n in ("q", "k", "v", "output"))
+        assert np.array_equal(q, k) and np.array_equal(q, v) and not np.array_equal(q, out)
+    assert not np.array_equal(data["blk.0.attn_q.weight.in_sum2"], data["blk.1.attn_q.weight.in_sum2"])
+
+
+def test_an_imatrix_is_checked_then_used_and_the_iq2_types_need_one(dense, imatrix, tmp_path, slice_cache):
     sha = hashlib.sha256(imatrix.read_bytes()).hexdigest()
 
     with pytest.raises(ConfigError, match="checkpoint_imatrix=None must name an importance matrix"):
@@ -187,14 +203,20 @@ def test_an_imatrix_is_checked_then_used_and_the_iq2_types_need_one(dense, tmp_p
         resolve_stage_file(iq3_xs)
 
     whole = tmp_path / "whole.IQ2_XXS.gguf"
-    requantize.quantize_file(dense, whole, "IQ2_XXS", imatrix=requantize.read_imatrix(imatrix), nthread=2)
+    importance = requantize.read_imatrix(imatrix)
+    requantize.quantize_file(dense, whole, "IQ2_XXS", imatrix=importance, nthread=2)
     assert "IQ2_XXS" in tensor_types(whole).values()
+    flat = tmp_path / "flat.IQ2_XXS.gguf"  # every column equally important: other bytes, so the matrix is used
+    requantize.quantize_file(dense, flat, "IQ2_XXS", imatrix={n: np.ones_like(v) for n, v in importance.items()},
+                             nthread=2)
+    weights = {f: {t.name: bytes(t.data) for t in gguf.GGUFReader(f).tensors} for f in (whole, flat)}
+    assert weights[whole]["blk.0.attn_q.weight"] != weights[flat]["blk.0.attn_q.weight"]
     ref_rows, ref_tokens = reference_run(whole, PROMPT, N_TOKENS)
     configs = split_configs(dense, SPLIT, slice_cache, kv_unified=False, checkpoint_quantization="IQ2_XXS",
                             checkpoint_imatrix=str(imatrix), checkpoint_imatrix_sha256=sha)
     rows, tokens = split_run(configs, PROMPT, N_TOKENS)
     diff = max_diff(rows, ref_rows)
-    print(f"IQ2_XXS with an imatrix: max |logit diff| = {diff}")
+    print(f"IQ2_XXS with the computed imatrix: max |logit diff| = {diff}")
     assert diff == 0.0 and tokens == ref_tokens
 
 
@@ -236,19 +258,19 @@ def dense_package(dense, tmp_path_factory):
 
 @pytest.mark.parametrize(("quantization", "with_imatrix"), [("Q4_K_M", False), ("Q5_K_M", False), ("IQ2_XXS", True)])
 def test_stages_loaded_from_a_package_and_quantized_there_equal_the_whole_model_quantized_once(
-        quantization, with_imatrix, dense, dense_package, tmp_path):
+        quantization, with_imatrix, dense, dense_package, imatrix, tmp_path):
     """Three stages, each with a cache of its own (three hosts), load their ranges from the package over
     HTTP and quantize them there: each plans from the whole model's header written from the manifest's
     tensor list and the metadata part (a sparse skeleton), and fetches nothing but the manifest, the
     metadata part and the parts of its range. The chain's logits equal the whole model quantized once."""
     settings: dict[str, object] = {}
-    imatrix = None
+    importance = None
     if with_imatrix:
-        path = write_imatrix(dense, tmp_path / "imatrix.gguf")
-        imatrix = requantize.read_imatrix(path)
-        settings = dict(checkpoint_imatrix=str(path), checkpoint_imatrix_sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+        importance = requantize.read_imatrix(imatrix)
+        settings = dict(checkpoint_imatrix=str(imatrix),
+                        checkpoint_imatrix_sha256=hashlib.sha256(imatrix.read_bytes()).hexdigest())
     whole = tmp_path / f"whole.{quantization}.gguf"
-    requantize.quantize_file(dense, whole, quantization, imatrix=imatrix, nthread=2)
+    requantize.quantize_file(dense, whole, quantization, imatrix=importance, nthread=2)
     ref_rows, ref_tokens = reference_run(whole, PROMPT, N_TOKENS)
 
     with PackageServer(dense_package.manifest_path.parent) as server:
