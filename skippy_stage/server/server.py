@@ -18,7 +18,6 @@ from grpc_reflection.v1alpha import reflection
 from skippy_stage import tracing
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, DownstreamError
-from skippy_stage.model import package_stage
 from skippy_stage.security import BearerTokenInterceptor, Credentials, check_exposure
 from skippy_stage.server.monitor import DownstreamMonitor
 from skippy_stage.server.service import StageServicer, add_to_server
@@ -55,8 +54,13 @@ class StageServer:
     def __init__(self, config: StageConfig) -> None:
         check_exposure(config)  # before anything listens
         # A package stage: the manifest and the model's header fetched and checked (a package that
-        # cannot serve this range is refused here); the weights come while the stage loads.
-        config = package_stage.prepare(config)
+        # cannot serve this range is refused here); the weights come while the stage loads. Imported
+        # here, not with this module: it imports numpy, whose BLAS threads started before llama.cpp's
+        # OpenMP binds the process would stay unbound (a co-located stage's threads belong on its cores).
+        if config.package_ref is not None:
+            from skippy_stage.model import package_stage
+
+            config = package_stage.prepare(config)
         self.config = config
         self.wake_latency: WakeLatencyRequest | None = None
         self.stage = Stage(config, max_message_bytes=config.max_message_bytes)
