@@ -1,7 +1,7 @@
 """The ``skippy-stage`` command: one stage daemon, local pipelines, and what measures and proves them.
 
-Subcommands: serve, up, generate, demo, bench, profile, floor, ab, plan, slice, package, verify, replay, check,
-info.
+Subcommands: serve, up, generate, demo, bench, profile, floor, ab, plan, slice, package, make-projector, verify,
+replay, check, info.
 
 Logs go to stderr, results (generated text, the head endpoint) to stdout. A failure at
 start exits non-zero with one line that names the cause.
@@ -257,6 +257,19 @@ def cmd_package(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_projector(args: argparse.Namespace) -> int:
+    from skippy_stage.model.projector_fixture import write_projector
+
+    try:
+        written = write_projector(args.model, args.out, seed=args.seed)
+    except OSError as exc:
+        print(f"skippy-stage make-projector: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"{written.path}: {written.n_bytes} bytes, a random-weight mlp projector (seed {written.seed}); "
+          f"{written.n_image_tokens} image tokens per image, {written.n_embd} floats each (the text model's n_embd)")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from skippy_stage.model.verify import format_report, parse_split, verify
 
@@ -408,6 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the package's directory (created)")
     p.add_argument("--layers-per-part", type=int, default=1, metavar="N", help="blocks per layer part")
     p.set_defaults(func=cmd_package)
+
+    p = sub.add_parser("make-projector", help="write a small random-weight vision projector (mmproj GGUF) that "
+                                              "libmtmd loads beside MODEL: a fixture for tests and for smoke-testing "
+                                              "a deployment's image path")
+    p.add_argument("model", help="the text model's GGUF (the projector's rows are as wide as its n_embd)")
+    p.add_argument("--out", required=True, help="the projector's GGUF file (replaced if it exists)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights: the same seed and model give the same bytes")
+    p.set_defaults(func=cmd_make_projector)
 
     p = sub.add_parser("verify", help="prove a split of MODEL computes exactly what llama-cpp-python computes on "
                                       "the unsplit model (exit 0 only when bit-exact)")

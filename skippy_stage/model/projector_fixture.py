@@ -1,0 +1,179 @@
+"""A small random-weight vision projector that libmtmd loads beside a text model.
+
+Images at the head need a multimodal projector (an "mmproj" GGUF) that matches the text
+model, and no such file ships on PyPI for a model the tests have. This module writes one from
+a seed: a llava-style projector (``clip.projector_type = "mlp"``) whose output rows are as
+wide as the text model's embeddings, so libmtmd accepts it for that model and encodes an image
+into rows the model can read. The weights are random, so what it "sees" means nothing, but
+every byte is fixed by the seed and the model, which is what an equivalence proof (split
+against unsplit, with an image) needs; an operator can use it to smoke-test a deployment's
+image path without a real vision model.
+
+The graph it feeds is llama.cpp's ``clip_graph_llava`` (``tools/mtmd/models/llava.cpp``)::
+
+    conv2d(v.patch_embd) + v.position_embd -> v.pre_ln -> (block_count - 1) ViT blocks
+    -> mm.0 (linear) -> GELU -> mm.2 (linear, out = the text model's n_embd)
+
+llava takes the penultimate block's output: the last block is loaded but not run. One image
+is ``(image_size / patch_size) ** 2`` rows.
+
+What the pinned libmtmd needs of such a file, each found by a file without it:
+
+- every integer key it reads with ``gguf_get_val_u32`` written as UINT32: an INT32 one fails
+  a ``GGML_ASSERT`` and aborts the process;
+- ``mm.2.weight``: ``clip_n_mmproj_embd`` reads its width without checking it exists (a
+  segfault), as the graph reads ``v.position_embd.weight``;
+- ``clip.vision.projection_dim`` equal to the text model's n_embd, and
+  ``clip.vision.image_mean``/``image_std``: without them ``mtmd_init_from_file`` returns NULL;
+- ``feed_forward_length`` unlike ``embedding_length``: when they are equal clip.cpp's legacy
+  heuristic swaps the FFN's up and down weights;
+- ``block_count`` of 2 or more, since the last block is skipped.
+
+The text model's width is its ``<arch>.embedding_length``, which is what
+``llama_model_n_embd_inp`` gives for a plain decoder (only models that concatenate extra input
+features differ, and those are not the ones this projector is for).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from skippy_stage.model import gguf_file
+from skippy_stage.model.slicing import read_model_info
+
+T = GGUFValueType
+F32 = GGMLQuantizationType.F32
+
+
+@dataclass(frozen=True)
+class ProjectorShape:
+    """The vision tower's size: small, so a fixture costs a megabyte and an image a few ms."""
+
+    image_size: int = 64  # pixels per side the preprocessor resizes an image to
+    patch_size: int = 16
+    width: int = 64  # the vision tower's n_embd
+    feed_forward: int = 128  # must differ from width (see the module docstring)
+    block_count: int = 2  # the last block is not run
+    head_count: int = 2
+    hidden: int = 128  # mm.0's output, mm.2's input
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.width % self.head_count:
+            raise ValueError(f"width {self.width} does not split into {self.head_count} heads")
+        if self.feed_forward == self.width:
+            raise ValueError("feed_forward equal to width trips clip.cpp's up/down swap heuristic")
+        if self.block_count < 2:
+            raise ValueError(f"block_count {self.block_count}: llava skips the last block, so at least 2")
+
+    @property
+    def n_image_tokens(self) -> int:
+        """Rows one image becomes."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
+class WrittenProjector:
+    path: Path
+    n_bytes: int
+    n_image_tokens: int
+    n_embd: int  # width of every row, the text model's n_embd
+    seed: int
+
+
+def write_projector(model: str | os.PathLike[str], out: str | os.PathLike[str], *, seed: int = 0,
+                    shape: ProjectorShape | None = None) -> WrittenProjector:
+    """Write a random-weight mlp projector for ``model`` to ``out``: the same bytes for the same
+    seed, shape and model. A model that is missing or not a readable GGUF raises
+    :class:`~skippy_stage.errors.ConfigError` (:class:`~skippy_stage.errors.ModelFileError`);
+    ``OSError`` if ``out`` cannot be written, leaving no partial file."""
+    shape = shape or ProjectorShape()
+    n_embd = read_model_info(model).n_embd
+    out = Path(out)
+    partial = out.with_name(out.name + ".partial")
+    try:
+        gguf_file.write_gguf(partial, _metadata(shape, n_embd, seed), list(_tensors(shape, n_embd, seed)))
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return WrittenProjector(out, out.stat().st_size, shape.n_image_tokens, n_embd, seed)
+
+
+def _metadata(shape: ProjectorShape, n_embd: int, seed: int) -> list[tuple[str, bytes]]:
+    def u32(value: int) -> bytes:
+        return gguf_file.pack_value(T.UINT32, value)  # never INT32: libmtmd aborts on it
+
+    def floats(values: list[float]) -> bytes:
+        return gguf_file.pack_value(T.ARRAY, values, T.FLOAT32)
+
+    return [
+        ("general.architecture", gguf_file.pack_value(T.STRING, "clip")),
+        ("general.name", gguf_file.pack_value(T.STRING, "skippy-stage random mlp projector")),
+        ("general.description", gguf_file.pack_value(
+            T.STRING, f"random weights, seed {seed}, for {n_embd}-wide text models; a test fixture")),
+        ("clip.has_vision_encoder", gguf_file.pack_value(T.BOOL, True)),
+        ("clip.has_audio_encoder", gguf_file.pack_value(T.BOOL, False)),
+        ("clip.projector_type", gguf_file.pack_value(T.STRING, "mlp")),
+        ("clip.use_gelu", gguf_file.pack_value(T.BOOL, True)),
+        ("clip.vision.image_size", u32(shape.image_size)),
+        ("clip.vision.patch_size", u32(shape.patch_size)),
+        ("clip.vision.embedding_length", u32(shape.width)),
+        ("clip.vision.feed_forward_length", u32(shape.feed_forward)),
+        ("clip.vision.block_count", u32(shape.block_count)),
+        ("clip.vision.projection_dim", u32(n_embd)),
+        ("clip.vision.attention.head_count", u32(shape.head_count)),
+        ("clip.vision.attention.layer_norm_epsilon", gguf_file.pack_value(T.FLOAT32, 1e-6)),
+        ("clip.vision.image_mean", floats([0.5, 0.5, 0.5])),
+        ("clip.vision.image_std", floats([0.5, 0.5, 0.5])),
+    ]
+
+
+def _tensors(shape: ProjectorShape, n_embd: int, seed: int) -> Iterator[gguf_file.Tensor]:
+    """Every tensor, drawn in a fixed order from one generator (numpy's PCG64 gives the same
+    values on every machine). Shapes are numpy's, the reverse of ggml's ``ne``."""
+    rng = np.random.default_rng(seed)
+    width, ff, hidden = shape.width, shape.feed_forward, shape.hidden
+
+    def tensor(name: str, values: np.ndarray) -> gguf_file.Tensor:
+        return gguf_file.tensor_from_array(name, values.astype(np.float32), F32)
+
+    def normal(name: str, *dims: int, scale: float | None = None) -> gguf_file.Tensor:
+        # 1/sqrt(fan_in) keeps activations near unit size through the layers.
+        return tensor(name, rng.standard_normal(dims) * (scale if scale is not None else dims[-1] ** -0.5))
+
+    def ones(name: str, n: int) -> gguf_file.Tensor:
+        return tensor(name, np.ones(n))
+
+    def zeros(name: str, n: int) -> gguf_file.Tensor:
+        return tensor(name, np.zeros(n))
+
+    patch = shape.patch_size
+    yield normal("v.patch_embd.weight", width, 3, patch, patch, scale=(3 * patch * patch) ** -0.5)
+    yield zeros("v.patch_embd.bias", width)
+    yield normal("v.position_embd.weight", shape.n_image_tokens, width, scale=0.02)
+    yield ones("v.pre_ln.weight", width)
+    yield zeros("v.pre_ln.bias", width)
+    for il in range(shape.block_count):
+        p = f"v.blk.{il}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            yield normal(f"{p}.{name}.weight", width, width)
+            yield zeros(f"{p}.{name}.bias", width)
+        yield ones(f"{p}.ln1.weight", width)
+        yield zeros(f"{p}.ln1.bias", width)
+        yield ones(f"{p}.ln2.weight", width)
+        yield zeros(f"{p}.ln2.bias", width)
+        yield normal(f"{p}.ffn_up.weight", ff, width)
+        yield zeros(f"{p}.ffn_up.bias", ff)
+        yield normal(f"{p}.ffn_down.weight", width, ff)
+        yield zeros(f"{p}.ffn_down.bias", width)
+    yield normal("mm.0.weight", hidden, width)
+    yield zeros("mm.0.bias", hidden)
+    yield normal("mm.2.weight", n_embd, hidden)
+    yield zeros("mm.2.bias", n_embd)
