@@ -7,6 +7,7 @@ at temperature 1, and 16 tokens for a completion (as many as the session holds f
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -22,6 +23,7 @@ from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
 from skippy_stage.model.logprobs import MAX_TOP_LOGPROBS
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, check_grammar_text
+from skippy_stage.server.openai_api.json_grammar import schema_grammar, unenforced
 
 ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default
@@ -219,6 +221,10 @@ def _check_schema_bounds(node: object, where: str, param: str = "response_format
     """Refuse, before converting, the bounds the converter would expand into a grammar as large as
     they are (minLength/maxLength/minItems/maxItems, a pattern's {n,m}), naming the field (``param``)."""
     if isinstance(node, dict):
+        ignored = unenforced(node)
+        if ignored is not None:
+            raise InvalidFieldError(param, f"{where}.{ignored}={_show(node[ignored])} is not kept by this server's "
+                                           f"grammar (only an integer's minimum and maximum are): remove it")
         for key in ("minLength", "maxLength", "minItems", "maxItems"):
             value = node.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SCHEMA_REPEAT:
@@ -271,7 +277,7 @@ def _response_format(value: object) -> str:
         raise InvalidFieldError("response_format", "response_format.json_schema.schema must be a JSON schema object")
     _check_schema_bounds(spec["schema"], "response_format.json_schema.schema")
     try:
-        grammar = strict_json_strings(llama_grammar.json_schema_to_gbnf(json.dumps(spec["schema"])))
+        grammar = strict_json_strings(schema_grammar(copy.deepcopy(spec["schema"])))
     except Exception as exc:  # noqa: BLE001 - the converter's own failures, whatever their type: a 400 naming it
         raise InvalidFieldError("response_format", f"response_format.json_schema.schema cannot be turned into a "
                                                    f"grammar: {type(exc).__name__}: {exc}") from None

@@ -42,6 +42,7 @@ from typing import Any
 from skippy_stage.errors import InvalidFieldError, InvalidRequestError
 from skippy_stage.head.generator import GenerateSpec
 from skippy_stage.model.sampling import check_grammar_text
+from skippy_stage.server.openai_api.json_grammar import bounded_converter
 from skippy_stage.server.openai_api.request import (
     _check_schema_bounds,
     _content,
@@ -342,9 +343,7 @@ def generic_messages(use: ToolUse) -> tuple[tuple[str, str], ...]:
 def calls_grammar(functions: list[Function], first_index: int = 0, *, parallel: bool) -> str:
     """GBNF for one or more (``parallel``) call blocks, each naming one of ``functions`` with
     arguments their schema allows. A schema the converter cannot handle is refused naming it."""
-    from llama_cpp import llama_grammar
-
-    converter = llama_grammar.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter = bounded_converter()
     alternatives = []
     for i, fn in enumerate(functions, first_index):
         field = f"tools[{i}].function.parameters"
