@@ -17,9 +17,9 @@ whole model's indices nor its count, so quantized alone it would get other types
    consulted. Each tensor's bytes depend only on its own values, its type and its imatrix rows, so
    the slice's tensors are the whole quantized model's, bit for bit.
 
-The dry run needs only the header: a sparse "skeleton" (the whole model's header, the weights a
-hole, :func:`write_skeleton`) plans as the whole file does. A stage loaded from a layer package writes
-one from the package's metadata part and its manifest's tensor list (``package_stage.write_skeleton``).
+The dry run needs only the header: a stage loaded from a layer package plans on a sparse "skeleton"
+(the whole model's header, the weights a hole) written from the package's metadata part and its
+manifest's tensor list (``package_stage.write_skeleton``).
 Importance matrices are read from llama.cpp's imatrix GGUF (``<tensor>.in_sum2`` and ``<tensor>.counts``, normalised as
 ``llama-quantize`` does) after their sha256 is checked. The result lives in the stage-file cache,
 keyed by the slice's key (the source's identity, the range and the role), the type and the imatrix.
@@ -249,19 +249,6 @@ def slice_imatrix(imatrix: dict[str, np.ndarray] | None, layer_start: int, layer
     return out
 
 
-def write_skeleton(source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
-    """A sparse copy of a GGUF: its header and tensor infos, the weights a hole of the same size.
-
-    The quantizer's dry run plans from it exactly as from the whole file, so a host that holds only
-    some layers can still learn the whole model's types (a few MB on disk for any model size)."""
-    source, dest = Path(source), Path(dest)
-    data_offset = gguf.GGUFReader(source).data_offset
-    with source.open("rb") as src, dest.open("wb") as out:
-        out.write(src.read(data_offset))
-        out.truncate(source.stat().st_size)
-    return dest
-
-
 def uses_token_embd(head: bool, final: bool, tensors: dict[str, str]) -> bool:
     """Whether a stage computes with its ``token_embd.weight``: the head embeds tokens with it, and a
     final stage without ``output.weight`` uses it as the output head (tied embeddings). Every other
@@ -336,5 +323,4 @@ __all__ = [
     "slice_imatrix",
     "uses_token_embd",
     "whole_model_plan",
-    "write_skeleton",
 ]

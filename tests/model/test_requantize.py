@@ -119,13 +119,6 @@ def test_a_slice_quantized_alone_gets_other_types_and_the_plan_pins_the_whole_mo
     assert tensor_types(path) == want
 
 
-def test_a_skeleton_of_the_header_plans_as_the_whole_file_does(dense, tmp_path):
-    skeleton = requantize.write_skeleton(dense, tmp_path / "skeleton.gguf")
-    assert skeleton.stat().st_blocks * 512 < dense.stat().st_size // 50  # the weights are a hole
-    for quantization in ("Q4_K_M", "Q5_K_M", "IQ4_XS"):
-        assert requantize.whole_model_plan(skeleton, quantization) == requantize.whole_model_plan(dense, quantization)
-
-
 def test_stages_at_different_types_equal_one_model_quantized_with_those_types(dense, tmp_path, slice_cache):
     """Stage 0 at Q8_0, stage 1 at Q4_K_M: the reference is the whole model quantized once with each
     tensor pinned to the type its stage gives it (tt_overrides)."""
