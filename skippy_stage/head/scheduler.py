@@ -41,6 +41,7 @@ from skippy_stage.errors import (
     PrefixMissError,
     RuntimeFailure,
     SkippyError,
+    StageUnavailableError,
     UnknownSessionError,
     is_prefix_miss,
 )
@@ -201,7 +202,7 @@ class Scheduler:
                 fork.fork_from = task
         with self._cond:
             if self._closed:
-                raise CapacityError("the head is shutting down; retry on another replica")
+                raise StageUnavailableError("the head is shutting down; retry on another replica")
             # A free lane admits at once; only sessions that must wait count against the queue.
             free_lanes = max(0, self.limits.lane_count - sum(len(g) for g in self._groups))
             waiting = sum(1 + len(t.forks) for t in self._waiting)
@@ -235,7 +236,7 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), deque()
             self._cond.notify_all()
         for task in (member for leader in waiting for member in (leader, *leader.forks)):
-            task.events.put(Failed(CapacityError("the head is shutting down; retry on another replica")))
+            task.events.put(Failed(StageUnavailableError("the head is shutting down; retry on another replica")))
         with self._cond:
             workers = list(self._workers)
         for worker in workers:

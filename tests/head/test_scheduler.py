@@ -19,7 +19,14 @@ from collections.abc import Callable
 import pytest
 from support.waiting import eventually
 
-from skippy_stage.errors import CapacityError, DownstreamError, InvalidFieldError, PrefixMissError, SkippyError
+from skippy_stage.errors import (
+    CapacityError,
+    DownstreamError,
+    InvalidFieldError,
+    PrefixMissError,
+    SkippyError,
+    StageUnavailableError,
+)
 from skippy_stage.head import scheduler as scheduler_module
 from skippy_stage.head.inflight import BatchCount
 from skippy_stage.head.prefixes import PrefixCache
@@ -649,9 +656,9 @@ def test_close_fails_queued_tasks_refuses_new_ones_and_lets_admitted_ones_finish
 
     tokens, event = outcome(waiting)
     assert tokens == []
-    assert isinstance(event, Failed) and isinstance(event.error, CapacityError)
+    assert isinstance(event, Failed) and isinstance(event.error, StageUnavailableError)
     assert "shutting down" in str(event.error)
-    with pytest.raises(CapacityError, match="shutting down"):
+    with pytest.raises(StageUnavailableError, match="shutting down"):
         scheduler.submit(make_task("late", 2, 3))
     chain.gate.set()
     assert outcome(running) == (expected_tokens(running), End("length"))
