@@ -223,7 +223,7 @@ class PeerConfig:
         return parse_endpoint(self.endpoint, stage_id=self.stage_id, field_name="endpoint")
 
 
-DRAFTERS = ("none", "ngram", "model")
+DRAFTERS = ("none", "ngram", "model", "mtp")
 MAX_DRAFT_K = 16
 # Most speculative windows of one session in flight at the head (verify_window_depth).
 MAX_VERIFY_WINDOW_DEPTH = 8
@@ -231,10 +231,6 @@ MAX_VERIFY_WINDOW_DEPTH = 8
 MAX_PREFILL_CHUNKS_IN_FLIGHT = 16
 AUTO_DRAFT_K = 8  # k="auto": adaptive drafting, at most this many tokens per step
 MAX_NGRAM = 8
-MTP_REFUSAL = ("native multi-token-prediction heads are not supported: the pinned llama.cpp "
-               "loads MTP tensors (llama_model_params.load_mtp, LLAMA_CONTEXT_TYPE_MTP), but no model or fixture "
-               "this project can run has MTP layers it may split (the architectures with them are refused or "
-               "unproven), so nothing proves it exact; use 'ngram' or 'model'")
 
 
 @dataclass(frozen=True)
@@ -247,7 +243,9 @@ class SpeculativeConfig:
     the batches are the reference's and greedy text equals its text. ``k="auto"`` asks for adaptive
     drafting by name; built, it is ``k=AUTO_DRAFT_K, adaptive=True``."""
 
-    drafter: str = "none"  # "none", "ngram" (prompt lookup) or "model" (a draft GGUF at the head)
+    # "none", "ngram" (prompt lookup), "model" (a draft GGUF at the head) or "mtp" (the final stage's own
+    # multi-token-prediction layers, native_mtp_enabled there: one draft a step, returned with each sample)
+    drafter: str = "none"
     # Most tokens drafted per step: a number (fixed: the reference's drafting, exactly), or "auto"
     # (adaptive, up to AUTO_DRAFT_K).
     k: int = 8
@@ -270,8 +268,6 @@ class SpeculativeConfig:
 
     def problem(self) -> str | None:
         """What is wrong with these settings (field and value), or None."""
-        if self.drafter == "mtp":
-            return f"drafter='mtp': {MTP_REFUSAL}"
         if self.drafter not in DRAFTERS:
             return f"drafter={self.drafter!r} must be one of {', '.join(DRAFTERS)}"
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_DRAFT_K:
@@ -402,6 +398,25 @@ class StageConfig:
     the IQ1/IQ2 types (and ``IQ3_XXS``, ``Q2_K_S``) need one. Needs ``checkpoint_imatrix_sha256``."""
     checkpoint_imatrix_sha256: str | None = None
     """The sha256 of ``checkpoint_imatrix``, checked before it is used."""
+    projector_path: str | None = None
+    """Head only: a multimodal projector (an mmproj GGUF) for this model. Prompts may then carry images
+    (the OpenAI API's ``image_url`` parts, ``Generate``'s ``media``): libmtmd encodes them here and their
+    rows enter the head's layers where the prompt puts them; the stages below see hidden states as for
+    any prompt. Only projector types proven against the unsplit model are accepted (``mlp``);
+    ``skippy-stage make-projector`` writes a random-weight one to smoke-test a deployment."""
+    projector_use_gpu: bool | None = None
+    """Run the projector on a GPU. This build is CPU only: unset or false."""
+    media_marker: str | None = None
+    """The text that stands for an image in a prompt (one per image, in order); unset: libmtmd's
+    ``<__media__>``. The OpenAI API puts it where a message has an ``image_url`` part."""
+    image_min_tokens: int | None = None
+    """Fewest rows an image may become (projectors of dynamic resolution; a fixed-size projector whose
+    images fall outside ``image_min_tokens..image_max_tokens`` is refused at start)."""
+    image_max_tokens: int | None = None
+    """Most rows an image may become (see ``image_min_tokens``)."""
+    media_url_fetch: bool = False
+    """Head: fetch ``http(s)`` image URLs of the OpenAI API's ``image_url`` parts (at most 20 MB each,
+    10 s). Off: only ``data:`` URLs, so a client cannot make the head reach other hosts."""
     bind_addr: str = "127.0.0.1:0"
     """Where the gRPC service listens (``host:port`` or ``tcp://host:port``; port 0: any). An address
     other hosts can reach needs a token or TLS (see ``allow_insecure``)."""
@@ -415,6 +430,15 @@ class StageConfig:
     return_to: PeerConfig | None = None
     """Final stage only: the head, to which this stage sends each batch's sampled tokens straight back.
     Unset: they travel back up the edges (one leg per stage)."""
+    native_mtp_enabled: bool = False
+    """Final stage only: load the model's multi-token-prediction (MTP, "next-n") layers and, with each
+    sample, return their greedy guess of the token after it (a speculative draft the head may verify in
+    its next step). Each decode then also leaves every row's last hidden state for them, as llama.cpp's own
+    MTP driver does: logits are unchanged where every row is an output (one-token steps, verify and
+    ``all_rows`` batches) and may move in the last bits for a prompt with only its last row out. Refused on
+    a stage with a ``downstream``, and at load on a model without next-n layers
+    (``<arch>.nextn_predict_layers``), with more than one (llama.cpp's MTP graph takes one) or with
+    recurrent layers (no rewind, no speculation). The seed writes true by default; here it is off."""
     cache_dir: str | None = None
     """Where stage files are cached; unset: ``$SKIPPY_STAGE_CACHE`` or ``$XDG_CACHE_HOME/skippy-stage``."""
     wire_dtype: str = "f32"
@@ -636,7 +660,8 @@ SEED_FIELDS = frozenset((
     "direct_io", "repack", "check_tensors", "no_host_buffer", "op_offload", "cache_type_k", "cache_type_v",
     "flash_attn_type", "kv_offload", "kv_unified", "swa_full", "cache_idle_slots", "split_mode", "main_gpu",
     "selected_device", "load_mode", "bind_addr", "upstream", "downstream", "package_ref", "manifest_sha256",
-    "checkpoint_quantization", "checkpoint_imatrix", "checkpoint_imatrix_sha256",
+    "checkpoint_quantization", "checkpoint_imatrix", "checkpoint_imatrix_sha256", "projector_path",
+    "projector_use_gpu", "media_marker", "image_min_tokens", "image_max_tokens", "native_mtp_enabled",
 ))
 
 
@@ -656,20 +681,12 @@ SEED_ONLY_FIELDS: dict[str, SeedOnlyField] = {
     "source_model_bytes": SeedOnlyField(None, "source-model verification is not implemented"),
     "materialized_path": SeedOnlyField(None, "materialized layer packages are not supported"),
     "materialized_pinned": SeedOnlyField(False, "materialized layer packages are not supported"),
-    "projector_path": SeedOnlyField(None, "multimodal projectors are not supported"),
-    "projector_use_gpu": SeedOnlyField(None, "multimodal projectors are not supported"),
-    "media_marker": SeedOnlyField(None, "multimodal input is not supported"),
-    "image_min_tokens": SeedOnlyField(None, "multimodal input is not supported"),
-    "image_max_tokens": SeedOnlyField(None, "multimodal input is not supported"),
     "batch_max_tokens": SeedOnlyField(None, "not implemented; n_batch bounds a batch"),
     "glm_dsa_policy": SeedOnlyField("auto", "GLM sparse attention policies are not implemented"),
     "generation_signal_window": SeedOnlyField(None, "generation signals are not implemented"),
     "filter_tensors_on_load": SeedOnlyField(False, "stages load a sliced file instead (load_mode runtime-slice)"),
     "resident_tensor_names": SeedOnlyField([], "stages load a sliced file instead (load_mode runtime-slice)"),
     "kv_cache": SeedOnlyField(None, "the resident KV cache is not implemented yet; use null or {\"mode\": \"disabled\"}"),
-    # The seed's default is true, meaning "use MTP heads if the model has them": this stage
-    # never loads them (load_mtp stays off), so both values mean the same here.
-    "native_mtp_enabled": SeedOnlyField(True, "", also_accepted=(False,)),
 }
 
 
@@ -815,6 +832,34 @@ def _validate_quantization(cfg: StageConfig) -> None:
                     f"must be the sha256 (64 hex digits) of checkpoint_imatrix={cfg.checkpoint_imatrix!r}")
 
 
+def _validate_media(cfg: StageConfig) -> None:
+    """A projector on the head only, on the CPU, with a marker and a token budget that make sense."""
+    _require_str(cfg, "projector_path", optional=True)
+    _require_bool(cfg, "projector_use_gpu", optional=True)
+    _require_str(cfg, "media_marker", optional=True)
+    _require_int(cfg, "image_min_tokens", 1, optional=True)
+    _require_int(cfg, "image_max_tokens", 1, optional=True)
+    _require_bool(cfg, "media_url_fetch")
+    if cfg.projector_path is None:
+        for name in ("media_marker", "image_min_tokens", "image_max_tokens"):
+            if getattr(cfg, name) is not None:
+                raise _fail(cfg, name, getattr(cfg, name), "needs projector_path (no projector, no images)")
+        return
+    if cfg.projector_path == "":
+        raise _fail(cfg, "projector_path", "", "must name an mmproj GGUF (or be unset)")
+    if cfg.layer_start != 0:
+        raise _fail(cfg, "projector_path", cfg.projector_path, f"is for the head only (layer_start=0), not a stage "
+                    f"at layer_start={cfg.layer_start}: images are encoded where the prompt is")
+    if cfg.projector_use_gpu:
+        raise _fail(cfg, "projector_use_gpu", True, "this build runs the projector on the CPU only")
+    if cfg.media_marker == "":
+        raise _fail(cfg, "media_marker", "", "must be a non-empty string (or unset)")
+    if cfg.image_min_tokens is not None and cfg.image_max_tokens is not None \
+            and cfg.image_min_tokens > cfg.image_max_tokens:
+        raise _fail(cfg, "image_min_tokens", cfg.image_min_tokens,
+                    f"is above image_max_tokens={cfg.image_max_tokens}")
+
+
 def _validate(cfg: StageConfig) -> None:
     if not isinstance(cfg.stage_id, str) or not cfg.stage_id:
         raise ConfigError(f"stage_id must be a non-empty string, got {cfg.stage_id!r}")
@@ -890,6 +935,10 @@ def _validate(cfg: StageConfig) -> None:
     if spec.enabled and cfg.layer_start != 0:
         raise _fail(cfg, "speculative.drafter", spec.drafter, "is set on a stage that is not the head (layer_start=0): "
                     "the head drafts")
+    _require_bool(cfg, "native_mtp_enabled")
+    if cfg.native_mtp_enabled and not cfg.include_output:
+        raise _fail(cfg, "native_mtp_enabled", True, "is for the final stage only (no downstream): the MTP "
+                    "layers draft from the trunk's last hidden state, which only the final stage computes")
     if spec.drafter == "model" and not spec.model_path:
         raise _fail(cfg, "speculative.model_path", spec.model_path, "must name the draft GGUF for drafter 'model'")
     if spec.drafter != "model" and spec.model_path:
@@ -948,6 +997,7 @@ def _validate(cfg: StageConfig) -> None:
         raise _fail(cfg, "load_mode", cfg.load_mode, "is refused: layer-package schema v1 is offline-only")
     _validate_package(cfg)
     _validate_quantization(cfg)
+    _validate_media(cfg)
     parse_endpoint(cfg.bind_addr, stage_id=cfg.stage_id, field_name="bind_addr", allow_port_zero=True)
     for side, offset in (("upstream", -1), ("downstream", 1)):
         peer = getattr(cfg, side)

@@ -548,7 +548,7 @@ SEED_CONFIG: dict[str, Any] = {
     "kv_offload": None, "kv_unified": None, "swa_full": None, "cache_idle_slots": None,
     "filter_tensors_on_load": False, "resident_tensor_names": [],
     "selected_device": {"backend_device": "CPU", "stable_id": None, "index": 0, "vram_bytes": None},
-    "kv_cache": None, "native_mtp_enabled": True, "load_mode": "runtime-slice",
+    "kv_cache": None, "native_mtp_enabled": False, "load_mode": "runtime-slice",
     "bind_addr": "tcp://0.0.0.0:7001",
     "upstream": {"stage_id": "stage-0", "stage_index": 0, "endpoint": "tcp://gpu-a:7000"},
     "downstream": {"stage_id": "stage-2", "stage_index": 2, "endpoint": "tcp://gpu-c:7000"},
@@ -572,8 +572,7 @@ def test_a_config_that_spells_every_seed_field_loads(tmp_path: Path) -> None:
     ("source_model_path", "/m.safetensors"),
     ("source_model_sha256", "cd" * 32), ("source_model_bytes", 123), ("materialized_path", "/cache/pkg"),
     ("materialized_pinned", True),
-    ("projector_path", "/mmproj.gguf"), ("projector_use_gpu", True), ("media_marker", "<image>"),
-    ("image_min_tokens", 64), ("image_max_tokens", 256), ("batch_max_tokens", 1024), ("glm_dsa_policy", "v1"),
+    ("batch_max_tokens", 1024), ("glm_dsa_policy", "v1"),
     ("generation_signal_window", 8), ("filter_tensors_on_load", True), ("resident_tensor_names", ["blk.10.x"]),
     ("kv_cache", {"mode": "lookup-record"}),
 ])
@@ -589,9 +588,20 @@ def test_a_disabled_seed_kv_cache_is_accepted(kv_cache: object) -> None:
     assert config(kv_cache=kv_cache).stage_id == "stage-0"
 
 
-@pytest.mark.parametrize("mtp", [True, False])
-def test_native_mtp_enabled_is_accepted_either_way(mtp: bool) -> None:
-    assert config(native_mtp_enabled=mtp).stage_id == "stage-0"
+def test_native_mtp_enabled_is_off_unless_asked_and_accepted_on_the_final_stage() -> None:
+    assert config().native_mtp_enabled is False
+    assert middle(native_mtp_enabled=False).native_mtp_enabled is False
+    assert final(native_mtp_enabled=True).native_mtp_enabled is True
+
+
+def test_native_mtp_enabled_is_refused_by_name_on_a_stage_with_a_downstream() -> None:
+    """The seed writes true on every stage; here only the final stage has the trunk's last hidden state."""
+    with pytest.raises(ConfigError) as info:
+        middle(native_mtp_enabled=True)
+    assert "stage-1" in str(info.value) and "native_mtp_enabled=True" in str(info.value)
+    assert "final stage" in str(info.value)
+    with pytest.raises(ConfigError, match="native_mtp_enabled='yes' must be true or false"):
+        final(native_mtp_enabled="yes")
 
 
 def test_null_means_the_default_for_every_field_that_has_one() -> None:

@@ -113,7 +113,7 @@ def test_the_openai_api_takes_speculative_settings_and_refuses_bad_ones_by_field
         messages = list(pb_grpc.StageServiceStub(channel).Generate(request, timeout=300))
     emitted = sum(len(m.token_ids) for m in messages)
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (messages[-1].prompt_tokens, emitted)
-    for bad, field in (({"drafter": "mtp"}, "native multi-token-prediction"), ({"k": 0}, "speculative.k"),
+    for bad, field in (({"drafter": "mtp"}, "native_mtp_enabled"), ({"k": 0}, "speculative.k"),
                        ({"drafter": "model"}, "no draft model"), ({"lookahead": 3}, "lookahead")):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="m", prompt="Hi", max_tokens=4, extra_body={"speculative": bad})
@@ -228,7 +228,6 @@ def test_adaptive_prompt_lookup_continues_where_the_context_agrees_and_the_refer
 
 
 @pytest.mark.parametrize("settings, field", [
-    ({"drafter": "mtp"}, "native multi-token-prediction heads are not supported"),
     ({"drafter": "ngram", "k": 99}, "speculative.k=99"),
     ({"drafter": "model"}, "speculative.model_path"),
     ({"drafter": "ngram", "model_path": "x.gguf"}, "speculative.model_path"),

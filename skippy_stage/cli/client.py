@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from skippy_stage.config import AUTO_DRAFT_K
+from skippy_stage.config import AUTO_DRAFT_K, DRAFTERS
 from skippy_stage.errors import SkippyError
 from skippy_stage.security import Credentials
 
@@ -49,8 +49,9 @@ def draft_k(text: str) -> int | str:
 
 
 def add_speculative_flags(p: argparse.ArgumentParser, *, model: bool) -> None:
-    p.add_argument("--speculative", choices=("none", "ngram", "model"), default=None,
-                   help="draft tokens to verify several per trip: ngram (prompt lookup) or model (a draft GGUF)")
+    p.add_argument("--speculative", choices=DRAFTERS, default=None,
+                   help="draft tokens to verify several per trip: ngram (prompt lookup), model (a draft GGUF) or "
+                        "mtp (the model's own multi-token-prediction layers, native_mtp_enabled on the final stage)")
     p.add_argument("--draft-k", type=draft_k, default=None, metavar="K|auto",
                    help="tokens drafted per step: K drafts exactly as llama-cpp-python's "
                         "LlamaPromptLookupDecoding(num_pred_tokens=K) (default 8); auto: adaptive, up to "

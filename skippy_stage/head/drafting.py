@@ -14,7 +14,9 @@ is distributed as the target model's p, at any temperature. Greedy runs are exac
   occurrence whose context agrees furthest back (``lookup_by_context``).
 - ``model``: a small GGUF at the head with the target's vocabulary, run with llama-cpp-python,
   drafting greedily.
-- native MTP heads are refused by name (see ``MTP_REFUSAL``).
+- ``mtp``: the model's own multi-token-prediction layers, at the final stage (``native_mtp_enabled``):
+  with each sample it returns their greedy guess of the next token, which the head sends as the
+  next step's one draft (``ReturnedDraft``). Nothing runs at the head.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import structlog
 
 from skippy_stage.config import SpeculativeConfig
 from skippy_stage.errors import ConfigError, InvalidRequestError
+from skippy_stage.model.batch import NO_DRAFT
 from skippy_stage.model.tokenizer import Tokenizer
 
 log = structlog.get_logger("skippy_stage.drafting")
@@ -205,6 +208,27 @@ class DraftBudget:
             self.now = min(self.k, now + self.GROW) if accepted == drafted else max(1, now // 2)
 
 
+class ReturnedDraft:
+    """The drafter of one session whose final stage drafts (``mtp``): the draft that came back with its
+    last sample, offered once, for the history it was drafted after (``offer``). Any other history (a
+    window chained behind one in flight guesses further ahead) gets none."""
+
+    def __init__(self) -> None:
+        self._after: int | None = None
+        self._draft: int | None = None
+
+    def offer(self, history_length: int, draft: int) -> None:
+        """``draft`` follows a history of ``history_length`` tokens (the last sample its last); ``NO_DRAFT``:
+        none this time."""
+        self._after, self._draft = (history_length, draft) if draft != NO_DRAFT else (None, None)
+
+    def __call__(self, history: list[int], k: int) -> list[int]:
+        if k < 1 or self._draft is None or len(history) != self._after:
+            return []
+        draft, self._after, self._draft = self._draft, None, None
+        return [draft]
+
+
 class Drafters:
     """The head's drafters: one prompt-lookup drafter per n-gram size and lookup (stateless, made on
     first use) and the draft model, if its config loads one."""
@@ -219,6 +243,8 @@ class Drafters:
             with self._lock:
                 key = (spec.ngram, spec.adaptive)
                 return self._ngram.setdefault(key, NgramDrafter(spec.ngram, by_context=spec.adaptive))
+        if spec.drafter == "mtp":
+            return ReturnedDraft()  # one per session: it holds that session's draft
         if spec.drafter == "model":
             if self.model is None:
                 raise InvalidRequestError("speculative.drafter='model': this head has no draft model "

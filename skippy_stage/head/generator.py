@@ -27,13 +27,14 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from skippy_stage.config import SpeculativeConfig
 from skippy_stage.errors import ConfigError, InvalidFieldError, InvalidRequestError
-from skippy_stage.head.drafting import DraftBudget, Drafters, ModelDrafter, SpeculativeRequest
+from skippy_stage.head.drafting import DraftBudget, Drafter, Drafters, ModelDrafter, SpeculativeRequest
 from skippy_stage.head.inflight import BatchCount
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.recording import ScheduleRecorder
 from skippy_stage.head.scheduler import Scheduler, SchedulerLimits
 from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
 from skippy_stage.model.logprobs import TokenLogprob
+from skippy_stage.model.projector import MEDIA_PART, MediaPrompt
 from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, parse_grammar
 from skippy_stage.model.schedule import Schedule, context_of, sampling_of
@@ -70,6 +71,8 @@ class GenerateSpec:
     # template's ``tools``.
     chat_messages: tuple[dict[str, Any], ...] = ()
     tools: tuple[dict[str, Any], ...] = ()
+    # Images (encoded PNG, JPEG, ...) for the prompt's media markers, in order (a head with a projector).
+    media: tuple[bytes, ...] = ()
 
 
 # How often a waiting handler checks whether its client is still there.
@@ -167,6 +170,33 @@ def _waiting_tokens(task: Task, event: int | Sampled | Tokens) -> tuple[list[int
             return items, more
         else:
             items.append(more)
+
+
+def _check_media_request(spec: GenerateSpec, speculation: SpeculativeConfig) -> None:
+    """Refuse, by field, what a prompt with images cannot have: what replays or scores the prompt token
+    by token (an image's positions hold no tokens), and a draft model (it would read them as tokens)."""
+    if spec.record_schedule:
+        raise InvalidFieldError("record_schedule", "record_schedule: a schedule replays token ids, and this "
+                                                   "prompt's images have none")
+    if spec.prompt_logprobs is not None:
+        raise InvalidFieldError("echo", "the prompt's logprobs (echo with logprobs): an image's positions have "
+                                        "no tokens to score")
+    if speculation.enabled and speculation.drafter == "model":
+        raise InvalidFieldError("speculative.drafter", "speculative.drafter='model': the draft model cannot see "
+                                                       "this prompt's images (use ngram or none)")
+
+
+def _text_drafts(drafter: Drafter) -> Drafter:
+    """``drafter`` cut at the first image key it proposes (a prompt-lookup drafter copies what followed
+    a match, which may be an image's positions): drafts are token ids only."""
+    def drafts(history: list[int], k: int) -> list[int]:
+        out = []
+        for token in drafter(history, k):
+            if token < 0:
+                break
+            out.append(token)
+        return out
+    return drafts
 
 
 class _StreamTiming:
@@ -293,16 +323,32 @@ class Generator:
         )
 
     def prompt_tokens(self, spec: GenerateSpec) -> list[int]:
+        return self.prompt(spec).tokens
+
+    def prompt(self, spec: GenerateSpec) -> MediaPrompt:
+        """The prompt's tokens, its images encoded where its markers are (``MediaPrompt``: an image's
+        positions hold its keys, negative, never token ids)."""
+        projector = self.runtime.projector
+        if spec.media and projector is None:
+            raise InvalidFieldError("media", f"this request carries {len(spec.media)} images, but this head takes "
+                                             f"none (stage {self.stage.config.stage_id} has no projector_path)")
         if spec.prompt is not None:
-            return self.runtime.tokenizer.tokenize(spec.prompt, add_special=True, parse_special=True)
-        if self._chat is None:
-            raise InvalidRequestError("messages were given but the model has no chat template (tokenizer.chat_template)")
-        messages = list(spec.chat_messages) or [{"role": r, "content": c} for r, c in spec.messages]
-        try:
-            rendered = self._chat(messages=messages, tools=list(spec.tools) or None)
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the template's raise_exception, or its own
-            raise InvalidRequestError(f"the model's chat template cannot render these messages: {exc}") from None
-        return self.runtime.tokenizer.tokenize(rendered.prompt, add_special=not rendered.added_special, parse_special=True)
+            text, add_special = spec.prompt, True
+        else:
+            if self._chat is None:
+                raise InvalidRequestError("messages were given but the model has no chat template "
+                                          "(tokenizer.chat_template)")
+            messages = list(spec.chat_messages) or [{"role": r, "content": c} for r, c in spec.messages]
+            try:
+                rendered = self._chat(messages=messages, tools=list(spec.tools) or None)
+            except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the template's raise_exception, or its own
+                raise InvalidRequestError(f"the model's chat template cannot render these messages: {exc}") from None
+            text, add_special = rendered.prompt, not rendered.added_special
+        if not spec.media:
+            return MediaPrompt(self.runtime.tokenizer.tokenize(text, add_special=add_special, parse_special=True), ())
+        if projector.marker != MEDIA_PART:
+            text = text.replace(MEDIA_PART, projector.marker)
+        return projector.prompt(text, list(spec.media), add_special=add_special)
 
     def generate(self, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:
@@ -317,12 +363,16 @@ class Generator:
         model whose state can be copied; else each prefills it). With a seed, choice i samples with
         seed + i, so the n choices are reproducible and differ from each other. The caller reads
         each with :meth:`pieces`, and cancels every one it does not read to its end."""
-        prompt = self.prompt_tokens(spec)
+        encoded = self.prompt(spec)
+        prompt = encoded.tokens
         if not prompt:
             raise InvalidRequestError("prompt tokenises to no tokens")
         if len(prompt) >= self.max_context:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; a session holds at most {self.max_context} "
+            images = f" ({sum(len(m.key) for m in encoded.media)} of them for {len(encoded.media)} images)" \
+                if encoded.media else ""
+            raise InvalidFieldError(
+                "media" if encoded.media else "prompt",
+                f"prompt has {len(prompt)} tokens{images}; a session holds at most {self.max_context} "
                 f"({self.runtime.session_limit_hint})"
             )
         if not 1 <= n <= self.stage.config.lane_count:
@@ -334,6 +384,8 @@ class Generator:
         if speculation.enabled and not self.runtime.cuttable:
             raise InvalidRequestError(f"speculative.drafter={speculation.drafter!r}: this model's state cannot be "
                                       f"cut back (recurrent layers), so rejected drafts could not be removed")
+        if encoded.media:
+            _check_media_request(spec, speculation)
         max_tokens = spec.max_tokens
         if n > 1 and spec.max_tokens_fit:
             # each choice holds its prompt, its answer and the drafts a last step may carry past them
@@ -358,9 +410,12 @@ class Generator:
             # the choices share a prompt: its logprobs come with the first
             task = Task(session_id=uuid.uuid4().hex, prompt=prompt, sampling=seeded, max_tokens=max_tokens,
                         top_logprobs=spec.top_logprobs, prompt_logprobs=spec.prompt_logprobs if i == 0 else None,
-                        stream_interval_s=None if spec.stream_interval_ms is None else spec.stream_interval_ms / 1e3)
+                        stream_interval_s=None if spec.stream_interval_ms is None else spec.stream_interval_ms / 1e3,
+                        media=encoded.media)
             if speculation.enabled:
                 task.drafter = self.drafters.for_spec(speculation)
+                if encoded.media:
+                    task.drafter = _text_drafts(task.drafter)
                 task.draft_budget = DraftBudget(speculation.k, speculation.adaptive)
                 task.window_depth = spec.speculative.window_depth if spec.speculative is not None else None
             if spec.record_schedule:

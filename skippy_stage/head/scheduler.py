@@ -40,11 +40,13 @@ from skippy_stage.errors import (
     InvalidFieldError,
     PrefixMissError,
     RuntimeFailure,
+    SessionStateError,
     SkippyError,
     StageUnavailableError,
     UnknownSessionError,
     is_prefix_miss,
 )
+from skippy_stage.head.drafting import ReturnedDraft
 from skippy_stage.head.inflight import BatchCount
 from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.step_plan import chain_prefill, chain_window, live_windows, plan_step, prefill_ahead
@@ -823,6 +825,11 @@ class Scheduler:
         task.failing_since = None
         if task.first_token_at is None:
             task.first_token_at = time.monotonic()
+        if isinstance(task.drafter, ReturnedDraft) and out.draft is None:
+            self._fail(task, SessionStateError(
+                f"speculative.drafter='mtp': the final stage {final_stage_id} returned a sample without a draft; it "
+                f"drafts only with native_mtp_enabled: true, on a model with multi-token-prediction layers"))
+            return ()
         # A verify entry's samples: the drafts it kept, then the one that rejected a draft (or
         # followed the last): each as if sampled in a step of its own.
         tokens = out.tokens if out.tokens is not None else (out.token,)
@@ -845,6 +852,9 @@ class Scheduler:
         for token, logprob in zip(tokens, logprobs):
             if not self._take(task, token, fed_now=n_prefill == 0, logprob=logprob):
                 break
+        else:
+            if isinstance(task.drafter, ReturnedDraft):  # the final stage's guess after the last sample
+                task.drafter.offer(len(task.history) + 1, out.draft)
         return tuple(tokens)
 
     @staticmethod

@@ -6,8 +6,11 @@ or network): the scheduler's workers call it for their group each step."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from skippy_stage.head.tasks import Task
 from skippy_stage.head.windows import Window
+from skippy_stage.model.projector import PLACEHOLDER_TOKEN
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, StepEntry
 
 
@@ -59,6 +62,7 @@ def plan_step(batch: list[Task], *, n_batch: int, n_ubatch: int,
             # rebuilt in one big batch could steer a greedy text elsewhere. The prompt goes in
             # chunks as before, each generated token in a step of its own.
             n = min(n, len(task.prompt) - start) if start < len(task.prompt) else 1
+        n = media_cut(task, start, n)
         entry = _prefill_entry(task, start, n, every_row=every_row, prefix_id=task.prefix_id)
         entries.append(entry)
         plan.append((task, n))
@@ -75,19 +79,49 @@ def _every_row(task: Task, start: int) -> bool:
         or (task.prompt_logprobs is not None and start < len(task.prompt))
 
 
+def media_cut(task: Task, start: int, n: int) -> int:
+    """``n`` cut so the chunk from ``start`` is text alone or one image's rows alone: a llama_batch
+    carries token ids or embedding rows, and the one-process reference feeds each image as its own
+    batch (llama-cpp-python's multimodal handler, mtmd_helper_eval_chunk_single)."""
+    for span in task.media:
+        if start < span.start:
+            return min(n, span.start - start)
+        if start < span.end:
+            return min(n, span.end - start)
+    return n
+
+
+def media_rows(task: Task, start: int, n: int) -> np.ndarray | None:
+    """The image rows at ``start .. start + n`` (a chunk ``media_cut`` made), or None for text."""
+    for span in task.media:
+        if span.start <= start < span.end:
+            return span.rows[start - span.start : start - span.start + n]
+    return None
+
+
+def _tokens_and_rows(task: Task, feed: list[int], start: int, n: int) -> tuple[list[int], np.ndarray | None]:
+    """What an entry feeding ``feed[start:start + n]`` carries: the tokens, or for an image's rows the
+    rows and a placeholder token each (``feed`` holds the image's keys there, never token ids)."""
+    rows = media_rows(task, start, n)
+    if rows is None:
+        return feed[start : start + n], None
+    return [PLACEHOLDER_TOKEN] * n, rows
+
+
 def _prefill_entry(task: Task, start: int, n: int, *, every_row: bool, prefix_id: str | None) -> StepEntry:
     """The entry feeding ``task``'s ``to_feed[start:start + n]``; it samples when it is the last."""
     feed = task.to_feed
     # After a recovery the next input token is already known: do not sample again.
     last = start + n == len(feed) and task.last_token is None
     in_prompt = task.prompt_logprobs is not None and start < len(task.prompt)
+    tokens, rows = _tokens_and_rows(task, feed, start, n)
     return StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
-                     positions=range(start, start + n), token_ids=feed[start : start + n],
+                     positions=range(start, start + n), token_ids=tokens,
                      sample_last=last, sampling=task.sampling, prefix_id=prefix_id,
                      top_logprobs=task.top_logprobs if last else None,
                      all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
                      next_token=feed[start + n] if in_prompt and start + n < len(task.prompt) else None,
-                     draws_before=task.samples if last else 0)
+                     draws_before=task.samples if last else 0, embd=rows)
 
 
 def prefill_ahead(task: Task, *, n_ubatch: int, chunks: int) -> bool:
@@ -120,7 +154,7 @@ def chain_prefill(task: Task, *, room: int, outputs: int, n_ubatch: int,
     last = live_windows(task)[-1]
     start = last.start + len(last.tokens)
     every_row = _every_row(task, start)
-    n = min(len(task.to_feed) - start, n_ubatch, room, outputs if every_row else room)
+    n = media_cut(task, start, min(len(task.to_feed) - start, n_ubatch, room, outputs if every_row else room))
     if n <= 0:
         return None
     entry = _prefill_entry(task, start, n, every_row=every_row, prefix_id=None)
@@ -160,8 +194,9 @@ def _fork_entries(source: Task, hold: int, budget: int, outputs: int, entries: l
     if len(family) > min(budget, outputs):
         return 0
     for member in family:
+        tokens, rows = _tokens_and_rows(member, member.prompt, hold, 1)
         entries.append(StepEntry(session_id=member.session_id, phase=PHASE_PREFILL,
-                                 positions=range(hold, hold + 1), token_ids=member.prompt[hold : hold + 1],
+                                 positions=range(hold, hold + 1), token_ids=tokens, embd=rows,
                                  sample_last=True, sampling=member.sampling, top_logprobs=member.top_logprobs,
                                  all_rows=member.drafter is not None or member.top_logprobs is not None,
                                  fork_of=None if member is source else source.session_id))

@@ -14,6 +14,7 @@ from skippy_stage.head.events import Events
 from skippy_stage.head.recording import ScheduleRecorder
 from skippy_stage.head.windows import Window, WindowDepth
 from skippy_stage.model.logprobs import TokenLogprob
+from skippy_stage.model.projector import MediaSpan
 from skippy_stage.model.sampling import SamplingParams
 
 FINISH_STOP = "stop"
@@ -117,6 +118,9 @@ class Task:
     depth: WindowDepth | None = None
     window_depth: int | None = None  # its request's bound on windows in flight (None: the head's)
     arrived_at: float | None = None  # when its last step's outputs arrived (perf_counter)
+    # Its prompt's images, in order: each one's rows enter the head's layers at its positions, where
+    # ``prompt`` holds the image's keys (negative, never token ids; a resident prefix matches on them).
+    media: tuple[MediaSpan, ...] = ()
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def stale_windows(self) -> int:

@@ -22,7 +22,8 @@ class BatchEntry:
 
     ``token_ids`` are required at stage 0; other stages take ``hidden`` rows (float32,
     ``(n, n_embd)``) and may carry the token ids too, so the final stage's sampler sees
-    the history that repetition penalties need.
+    the history that repetition penalties need. At a head with a projector, ``hidden`` with
+    placeholder ``token_ids`` are an image's rows, fed in place of the token embeddings.
     """
 
     session_id: str
@@ -62,6 +63,10 @@ class BatchEntry:
     continues: bool = False
 
 
+# ``EntryResult.draft`` of a final stage that drafts, for a sample it has no draft for.
+NO_DRAFT = -1
+
+
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
 class EntryResult:
     session_id: str
@@ -73,6 +78,11 @@ class EntryResult:
     # final stage, prompt_logprobs: one per row with a next token (positions[0] + 1 on)
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     logit_digests: tuple[int, ...] | None = None  # final stage, digest_logits: one per sample
+    # final stage, native_mtp_enabled: the MTP layers' greedy guess of the token after ``token`` (the last
+    # sample), which sits at the position after it; NO_DRAFT where the lane cannot draft now (its MTP state
+    # was not kept: a resident prefix taken, a session imported); None where nothing was sampled, or the
+    # stage does not draft
+    draft: int | None = None
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
@@ -86,6 +96,22 @@ class CheckedEntry:
     @property
     def n(self) -> int:
         return int(self.positions.shape[0])
+
+
+def _check_rows(h: object, n: int, n_embd: int, where: str) -> None:
+    if not isinstance(h, np.ndarray) or h.ndim != 2:
+        raise InvalidRequestError(f"{where}.hidden must be a 2-D float32 array (rows x n_embd={n_embd})")
+    if h.shape[1] != n_embd:
+        raise InvalidRequestError(f"{where}.hidden width {h.shape[1]} != n_embd {n_embd}")
+    if h.shape[0] != n:
+        raise InvalidRequestError(f"{where}.hidden has {h.shape[0]} rows for {n} positions")
+    if h.dtype != np.float32:
+        raise InvalidRequestError(f"{where}.hidden dtype {h.dtype} is not float32")
+    # A sum is finite only if every value is (NaN and inf propagate); an overflowing
+    # sum of finite values falls through to the exact check.
+    if not math.isfinite(float(h.sum())) and not np.isfinite(h).all():
+        row = int(np.nonzero(~np.isfinite(h).all(axis=1))[0][0])
+        raise InvalidRequestError(f"{where}.hidden row {row} holds non-finite values (NaN or inf)")
 
 
 def check_batch(entries: Sequence[BatchEntry], config: StageConfig, *, n_vocab: int, n_embd: int,
@@ -138,22 +164,13 @@ def check_batch(entries: Sequence[BatchEntry], config: StageConfig, *, n_vocab: 
             if tokens is None:
                 raise InvalidRequestError(f"{where}.token_ids are required at stage {cfg.stage_id} (layer_start=0)")
             if e.hidden is not None:
-                raise InvalidRequestError(f"{where}.hidden is not accepted at stage {cfg.stage_id} (layer_start=0)")
+                # The head's own image rows (a projector's), never a client's: the wire has no field for them.
+                if cfg.projector_path is None:
+                    raise InvalidRequestError(f"{where}.hidden is not accepted at stage {cfg.stage_id} "
+                                              f"(layer_start=0, no projector_path)")
+                _check_rows(e.hidden, n, n_embd, where)
         else:
-            h = e.hidden
-            if not isinstance(h, np.ndarray) or h.ndim != 2:
-                raise InvalidRequestError(f"{where}.hidden must be a 2-D float32 array (rows x n_embd={n_embd})")
-            if h.shape[1] != n_embd:
-                raise InvalidRequestError(f"{where}.hidden width {h.shape[1]} != n_embd {n_embd}")
-            if h.shape[0] != n:
-                raise InvalidRequestError(f"{where}.hidden has {h.shape[0]} rows for {n} positions")
-            if h.dtype != np.float32:
-                raise InvalidRequestError(f"{where}.hidden dtype {h.dtype} is not float32")
-            # A sum is finite only if every value is (NaN and inf propagate); an overflowing
-            # sum of finite values falls through to the exact check.
-            if not math.isfinite(float(h.sum())) and not np.isfinite(h).all():
-                row = int(np.nonzero(~np.isfinite(h).all(axis=1))[0][0])
-                raise InvalidRequestError(f"{where}.hidden row {row} holds non-finite values (NaN or inf)")
+            _check_rows(e.hidden, n, n_embd, where)
         if e.prefix_id is not None and (not isinstance(e.prefix_id, str) or not e.prefix_id
                                         or len(e.prefix_id) > MAX_SESSION_ID_LEN):
             raise InvalidRequestError(f"{where}.prefix_id={e.prefix_id!r} must be 1..{MAX_SESSION_ID_LEN} characters")

@@ -16,16 +16,18 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 import structlog
+from llama_cpp import llama_cpp_ext
 
 from skippy_stage import tracing
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import CapacityError, InvalidRequestError, RuntimeFailure, SessionStateError
-from skippy_stage.model.batch import BatchEntry, CheckedEntry, EntryResult, check_batch
+from skippy_stage.model.batch import NO_DRAFT, BatchEntry, CheckedEntry, EntryResult, check_batch
 from skippy_stage.model.capture import Capture
 from skippy_stage.model.compute_lock import ComputeLock
 from skippy_stage.model.digest import logit_digest
 from skippy_stage.model.lanes import Admission, LaneTable, SessionOwner
 from skippy_stage.model.logprobs import TokenLogprob, log_softmax, token_logprob
+from skippy_stage.model.mtp import CatchUp, MtpDrafter
 from skippy_stage.model.sampling import SamplerChain, SamplingParams
 from skippy_stage.model.ubatch import compute_order, in_batch_order
 
@@ -75,6 +77,11 @@ class BatchRunner:
     _out: np.ndarray
     _tokens: np.ndarray | None
     _embd: np.ndarray | None
+    # A head with a projector: a second batch over the same arrays, carrying image rows (``_media_embd``).
+    _media_batch: llama_cpp.llama_batch | None
+    _media_embd: np.ndarray | None
+    # A final stage with native_mtp_enabled: the MTP context kept in step after every decode (``mtp``).
+    _mtp: MtpDrafter | None
     # Per session: its sampler chain and the tokens at its positions (a resident prefix's kept apart).
     _samplers: dict[str, _SessionSampler]
     _history: dict[str, list[int]]
@@ -90,6 +97,11 @@ class BatchRunner:
         tracing.mark("rb0")
         checked = check_batch(entries, self.config, n_vocab=self.n_vocab, n_embd=self.n_embd,
                               cuttable=self.cuttable)
+        if self._mtp is not None:
+            for i, c in enumerate(checked):
+                if c.tokens is None:
+                    raise InvalidRequestError(f"entries[{i}].token_ids are required at stage {self.config.stage_id} "
+                                              f"(native_mtp_enabled: its MTP layers take each position's token)")
         with self._compute:
             rewinds = [(i, c) for i, c in enumerate(checked) if c.entry.rewind]
             for i, c in rewinds:  # every one checked before any is applied
@@ -139,6 +151,19 @@ class BatchRunner:
             del history[keep + 1 :]  # position ``keep``'s token is fed again by this batch
 
     def _decode(self, checked: list[CheckedEntry], lanes: dict[str, int]) -> list[EntryResult]:
+        """One llama_decode; at a head with image rows among token entries, two (a llama_batch carries
+        token ids or embedding rows, not both): the tokens', then the images'."""
+        if self._media_batch is None or all(c.entry.hidden is None for c in checked):
+            return self._decode_group(checked, lanes, media=False)
+        results: list[EntryResult | None] = [None] * len(checked)
+        for media in (False, True):
+            group = [i for i, c in enumerate(checked) if (c.entry.hidden is not None) == media]
+            if group:
+                for i, result in zip(group, self._decode_group([checked[i] for i in group], lanes, media=media)):
+                    results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _decode_group(self, checked: list[CheckedEntry], lanes: dict[str, int], *, media: bool) -> list[EntryResult]:
         cfg = self.config
         order = sorted(range(len(checked)), key=lambda i: lanes[checked[i].entry.session_id])
         spans: dict[int, tuple[int, int]] = {}
@@ -148,7 +173,9 @@ class BatchRunner:
             end = offset + c.n
             self._pos[offset:end] = c.positions
             self._seq[offset:end] = lanes[c.entry.session_id]
-            if self._tokens is not None:
+            if media:
+                self._media_embd[offset:end] = c.entry.hidden
+            elif self._tokens is not None:
                 self._tokens[offset:end] = c.tokens
             else:
                 self._embd[offset:end] = c.entry.hidden
@@ -161,7 +188,6 @@ class BatchRunner:
                 self._out[offset:end] = 1
             spans[i] = (offset, end)
             offset = end
-        self._batch.n_tokens = offset
         if self._pos_sections == 4:
             self._pos[offset : 3 * offset] = np.tile(self._pos[:offset], 2)
             self._pos[3 * offset : 4 * offset] = 0
@@ -169,20 +195,55 @@ class BatchRunner:
             self._capture.reset()
 
         tracing.mark("d0")
+        batch = self._media_batch if media else self._batch
+        batch.n_tokens = offset
         if self._host_lock is None:
-            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            rc = llama_cpp.llama_decode(self._ctx, batch)
         else:
             with self._host_lock:
-                rc = llama_cpp.llama_decode(self._ctx, self._batch)
+                rc = llama_cpp.llama_decode(self._ctx, batch)
         tracing.mark("d1")
         if rc != 0:
             raise decode_error(rc, offset)
         if cfg.include_output:
             results = [self._verify_result(checked[i], spans[i][0]) if checked[i].entry.verify
                        else self._final_result(checked[i], spans[i][1] - 1) for i in range(len(checked))]
-            return [dataclasses.replace(r, prompt_logprobs=self._prompt_logprobs(c, spans[i][0]))
-                    if c.entry.prompt_logprobs is not None else r for i, (c, r) in enumerate(zip(checked, results))]
+            results = [dataclasses.replace(r, prompt_logprobs=self._prompt_logprobs(c, spans[i][0]))
+                       if c.entry.prompt_logprobs is not None else r for i, (c, r) in enumerate(zip(checked, results))]
+            return results if self._mtp is None else self._mtp_step(checked, lanes, spans, offset, results)
         return self._inner_results(checked, spans, offset)
+
+    def _mtp_step(self, checked: list[CheckedEntry], lanes: dict[str, int], spans: dict[int, tuple[int, int]],
+                  total: int, results: list[EntryResult]) -> list[EntryResult]:
+        """After a decode at an MTP final stage: the MTP context catches up on every entry's rows (the
+        trunk's h of each, by batch index), then drafts the token after each entry's last sample: at the
+        position after it, from the h of the row it was sampled from (a verify entry's last kept row)."""
+        base = llama_cpp_ext.llama_get_embeddings_nextn_ith(self._ctx, 0)
+        if not base or not llama_cpp_ext.llama_get_embeddings_nextn_ith(self._ctx, total - 1):
+            for c in checked:
+                self._mtp.mark_stale(lanes[c.entry.session_id], "the decode left no next-n rows")
+            self.log.warning("no next-n rows after a decode: MTP drafting off for its lanes", rows=total)
+            for r in results:
+                if r.token is not None:
+                    r.draft = NO_DRAFT
+            return results
+        h = np.ctypeslib.as_array(base, shape=(total, self.n_embd))
+        # A stale verify window (nothing sampled) is rewound by the session's next step: the MTP layers
+        # skip it, and their KV stays where that rewind goes.
+        self._mtp.catch_up([CatchUp(lanes[c.entry.session_id], c.positions, c.tokens,
+                                    h[spans[i][0] : spans[i][1]].copy()) for i, (c, r) in enumerate(zip(checked, results))
+                            if r.tokens is None or r.tokens])
+        asks: list[tuple[int, int, int]] = []
+        which: list[int] = []
+        for i, (c, r) in enumerate(zip(checked, results)):
+            if r.token is None or (r.tokens is not None and not r.tokens):
+                continue  # nothing sampled (or a stale verify window)
+            position = int(c.positions[0]) + len(r.tokens) if r.tokens is not None else int(c.positions[-1]) + 1
+            asks.append((lanes[c.entry.session_id], r.token, position))
+            which.append(i)
+        for i, draft in zip(which, self._mtp.draft(asks)):
+            results[i].draft = NO_DRAFT if draft is None else draft
+        return results
 
     def _inner_results(self, checked: list[CheckedEntry], spans: dict[int, tuple[int, int]], total: int) -> list[EntryResult]:
         n_ubatch = self.config.n_ubatch

@@ -53,6 +53,7 @@ class Step:
     fork_of: str | None = None  # a new session starting as a copy of this one's first ``start`` tokens
     draws_before: int = 0  # samples the session took before (a sampler built now skips their draws)
     all_rows: bool = False  # the final stage computes every row as an output (llama-cpp-python's logits_all)
+    embd: np.ndarray | None = None  # an image's rows for the head to take in place of ``tokens`` (placeholders)
 
 
 class Chain:
@@ -75,7 +76,7 @@ class Chain:
         """Run one batch through every stage; ``trace`` collects each inner stage's results."""
         entries = [
             BatchEntry(s.session_id, np.arange(s.start, s.start + len(s.tokens)), token_ids=list(s.tokens),
-                       fork_of=s.fork_of)
+                       hidden=s.embd, fork_of=s.fork_of)
             for s in steps
         ]
         results: list[EntryResult] = []

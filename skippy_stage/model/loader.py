@@ -111,6 +111,10 @@ def model_params(cfg: StageConfig, info: host_facts.HostInfo | None = None) -> M
         no_host=cfg.no_host_buffer,
         main_gpu=cfg.main_gpu,
     )
+    if cfg.native_mtp_enabled:
+        # The next-n blocks load only when asked; an MTP context on a model loaded without them aborts
+        # the process (``GGML_ASSERT(layer.nextn.eh_proj)``), so the runtime creates one only after this.
+        set_fields(params, load_mtp=True)
     if cfg.split_mode != "auto":
         set_fields(params, split_mode=SPLIT_MODE_IDS[cfg.split_mode])
     out = ModelParams(params)

@@ -32,10 +32,11 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import structlog
+from llama_cpp import llama_cpp_ext
 
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, RuntimeFailure
-from skippy_stage.model import llama_ffi, loader, threadpool
+from skippy_stage.model import llama_ffi, loader, mtp, threadpool
 from skippy_stage.model.batch import BatchEntry, EntryResult
 from skippy_stage.model.batch_runner import BatchRunner, _SessionSampler, decode_error
 from skippy_stage.model.capture import Capture, LayerTap, NativeCapture, make_capture
@@ -43,6 +44,7 @@ from skippy_stage.model.compute_lock import ComputeLock
 from skippy_stage.model.kv_page import KvPage, KvPageDesc
 from skippy_stage.model.lanes import LaneStats, LaneTable
 from skippy_stage.model.logprobs import TokenLogprob
+from skippy_stage.model.projector import Projector
 from skippy_stage.model.session_kv import SessionKv
 from skippy_stage.model.slicing import read_model_info
 from skippy_stage.model.stage_file import resolve_context_size, resolve_stage_file
@@ -81,15 +83,25 @@ class StageRuntime(BatchRunner, SessionKv):
         self.tokenizer = Tokenizer(self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))
+        self.n_layers = int(llama_cpp.llama_model_n_layer(self._model))  # the trunk: next-n blocks not counted
+        # A final stage's slice keeps the model's multi-token-prediction blocks after its trunk.
+        self.n_layers_nextn = int(llama_cpp.llama_model_n_layer_nextn(self._model))
+        if config.native_mtp_enabled:
+            try:
+                mtp.check_model(self._model, path, cuttable=not (llama_cpp.llama_model_is_recurrent(self._model)
+                                                                 or llama_cpp.llama_model_is_hybrid(self._model)))
+            except ConfigError as exc:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
+                raise ConfigError(f"stage {config.stage_id}: {exc}") from None
         n_embd_inp = int(llama_cpp.llama_model_n_embd_inp(self._model))
         if not config.include_embeddings and n_embd_inp != self.n_embd:
             # llama.cpp would read hidden-state rows n_embd_inp wide from our n_embd-wide batch.
             raise ConfigError(f"stage {config.stage_id}: stage file {path} expects input rows {n_embd_inp} wide, "
                               f"but hidden states are n_embd={self.n_embd} wide")
-        if self.n_layers != config.n_layers:
+        if self.n_layers + self.n_layers_nextn != config.n_layers:
             raise ConfigError(
-                f"stage {config.stage_id}: stage file {path} has {self.n_layers} layers, "
+                f"stage {config.stage_id}: stage file {path} has {self.n_layers + self.n_layers_nextn} layers, "
                 f"config range {config.layer_start}:{config.layer_end} needs {config.n_layers}"
             )
         # Kept on self: llama.cpp calls its callback for as long as the context lives.
@@ -110,6 +122,8 @@ class StageRuntime(BatchRunner, SessionKv):
         self.cells_per_lane = int(llama_cpp.llama_n_ctx_seq(self._ctx))
         self._equal_split = not config.kv_unified
         self._alloc_batch()
+        self._mtp = self._new_drafter()
+        self.projector = self._load_projector()
         self._compute = threading.Lock()
         # Taken inside ``_compute``, around the decode alone (``compute_lock``).
         self._host_lock = None if config.compute_lock_path is None else ComputeLock(
@@ -127,9 +141,9 @@ class StageRuntime(BatchRunner, SessionKv):
             cells_per_lane=self.cells_per_lane,
             kv_pool_tokens=self.n_ctx,
             cache_idle_slots=config.cache_idle_slots,
-            reset=self._reset_lane,
-            trim=self._trim_lane if cuttable else None,
-            fork=self._fork_lane if cuttable else None,
+            reset=self._reset_lane if self._mtp is None else self._reset_lane_mtp,
+            trim=(self._trim_lane if self._mtp is None else self._trim_lane_mtp) if cuttable else None,
+            fork=(self._fork_lane if self._mtp is None else self._fork_lane_mtp) if cuttable else None,
             resident_slots=None if self.keeps_prefixes else 0,
             owner=f"stage {config.stage_id}",
             lane_limit_hint=self.session_limit_hint,
@@ -182,6 +196,19 @@ class StageRuntime(BatchRunner, SessionKv):
             raise RuntimeFailure(f"stage {cfg.stage_id}: llama.cpp could not load {path}")
         return model
 
+    def _load_projector(self) -> Projector | None:
+        """libmtmd beside this head's model, set the way llama-cpp-python's multimodal handler sets it
+        for a model loaded like this one (``projector``); None without ``projector_path``."""
+        cfg = self.config
+        if cfg.projector_path is None:
+            return None
+        try:
+            return Projector(cfg.projector_path, self._model, n_embd=self.n_embd, n_threads=cfg.n_threads,
+                             flash_attn=cfg.flash_attn_type == "enabled", marker=cfg.media_marker,
+                             min_tokens=cfg.image_min_tokens, max_tokens=cfg.image_max_tokens, stage_id=cfg.stage_id)
+        except ConfigError as exc:
+            raise ConfigError(f"stage {cfg.stage_id}: {exc}") from None
+
     def _context_size(self) -> loader.ContextSize:
         return resolve_context_size(self.config, read_model_info(self.load_path), range(self.n_layers))
 
@@ -203,6 +230,34 @@ class StageRuntime(BatchRunner, SessionKv):
             llama_cpp.llama_free(ctx)
             raise
         return ctx
+
+    def _new_drafter(self) -> mtp.MtpDrafter | None:
+        """With ``native_mtp_enabled``: the MTP context beside the main one, whose decodes now leave
+        the trunk's last hidden row (after the final norm) for every batch token (``mtp``)."""
+        if not self.config.native_mtp_enabled:
+            return None
+        drafter = mtp.MtpDrafter(self._model, self.config, self.context_size.n_ctx, n_embd=self.n_embd,
+                                 n_vocab=self.n_vocab)
+        llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, False)  # unmasked: every row, by batch index
+        return drafter
+
+    # The lane table's hooks with the MTP context kept in step: a reused, cut or copied lane never
+    # drafts from MTP KV that is not the session's.
+    def _reset_lane_mtp(self, lane: int) -> bool:
+        ok = self._reset_lane(lane)
+        return self._mtp.reset(lane) and ok
+
+    def _trim_lane_mtp(self, lane: int, keep: int) -> bool:
+        ok = self._trim_lane(lane, keep)
+        if ok:
+            self._mtp.trim(lane, keep)
+        return ok
+
+    def _fork_lane_mtp(self, source: int, lane: int, keep: int) -> bool:
+        ok = self._fork_lane(source, lane, keep)
+        if ok:
+            self._mtp.fork(source, lane, keep)
+        return ok
 
     def _alloc_batch(self) -> None:
         """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised.
@@ -232,14 +287,23 @@ class StageRuntime(BatchRunner, SessionKv):
         b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
         b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
+        self._media_batch = self._media_embd = None
+        if cfg.include_embeddings and cfg.projector_path is not None:
+            self._media_embd = np.zeros((n, self.n_embd), dtype=np.float32)
+            m = llama_cpp.llama_batch()
+            m.n_tokens, m.token, m.embd = 0, None, self._media_embd.ctypes.data_as(f32p)
+            m.pos, m.n_seq_id, m.seq_id, m.logits = b.pos, b.n_seq_id, b.seq_id, b.logits
+            self._media_batch = m
 
     def native_frame_args(self) -> dict[str, object] | None:
         """What a stage's native frame path (``skippy_stage.stage.native_frames``) works on: this
         runtime's context, batch buffers, capture, locks and session state, shared rather than
         copied (one owner). None where that path cannot run: a head that is the whole model, several
-        positions per row (M-RoPE), layer taps on the graph, a capture in Python."""
+        positions per row (M-RoPE), layer taps on the graph, a capture in Python, MTP layers to keep in
+        step after each decode (``native_mtp_enabled``)."""
         cfg = self.config
-        if (cfg.include_embeddings and cfg.include_output) or self._pos_sections != 1 or self._tap is not None:
+        if (cfg.include_embeddings and cfg.include_output) or self._pos_sections != 1 or self._tap is not None \
+                or self._mtp is not None:
             return None
         if not cfg.include_output and not isinstance(self._capture, NativeCapture):
             return None
@@ -274,12 +338,18 @@ class StageRuntime(BatchRunner, SessionKv):
         with self._compute:
             for session_id in list(self._samplers):
                 self._forget(session_id)
+            if getattr(self, "_mtp", None) is not None:
+                self._mtp.close()  # before the model it drafts with
+                self._mtp = None
             if getattr(self, "_ctx", None):
                 llama_cpp.llama_free(self._ctx)
                 self._ctx = None
             if getattr(self, "_pool", None) is not None:
                 self._pool.free()  # after the context: nothing decodes on it now
                 self._pool = None
+            if getattr(self, "projector", None) is not None:
+                self.projector.close()  # before the model it was loaded beside
+                self.projector = None
             if getattr(self, "_model", None):
                 llama_cpp.llama_model_free(self._model)
                 self._model = None

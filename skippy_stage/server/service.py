@@ -390,4 +390,5 @@ def generate_spec_from_pb(req: pb.GenerateRequest, *, max_tokens_limit: int, lim
         top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
         stream_interval_ms=req.stream_interval_ms if req.HasField("stream_interval_ms") else None,
         record_schedule=req.record_schedule,
+        media=tuple(req.media),
     )

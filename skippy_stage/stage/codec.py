@@ -232,7 +232,8 @@ def outputs_from_pb(msg: pb.IterationBatchResponse) -> Outputs:
                            np.array(o.logits, dtype=np.float32) if len(o.logits) else None,
                            tuple(o.tokens) if len(o.tokens) else None,
                            _logprobs_from_pb(o.logprobs), _logprobs_from_pb(o.prompt_logprobs),
-                           tuple(o.logit_digests) if len(o.logit_digests) else None)
+                           tuple(o.logit_digests) if len(o.logit_digests) else None,
+                           o.draft if o.HasField("draft") else None)
                     for o in msg.outputs],
                    msg.final_stage_id, wire=msg)
 
@@ -271,6 +272,8 @@ def outputs_to_pb(outputs: Outputs, into: pb.IterationBatchResponse | None = Non
         logprobs_to_pb(o.prompt_logprobs, out.prompt_logprobs)
         if o.logit_digests is not None:
             out.logit_digests.extend(o.logit_digests)
+        if o.draft is not None:
+            out.draft = o.draft
     msg.final_stage_id = outputs.final_stage_id
     return msg
 

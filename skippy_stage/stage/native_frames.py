@@ -269,7 +269,7 @@ class NativeHead:
         once); False (nothing done) when the Python path must. Raises as that path would: the
         decode's error, or the broken link's."""
         if not all(len(e.positions) == 1 and not e.rewind and e.prefix_id is None and e.fork_of is None
-                   for e in step.entries):
+                   and e.embd is None for e in step.entries):
             return False  # prompts and speculation: never plain, not worth encoding to find out
         hop = downstream.hop if isinstance(downstream, DownstreamClient) else None
         link = hop.plain_link if isinstance(hop, TcpHop) else None

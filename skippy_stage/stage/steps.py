@@ -60,6 +60,9 @@ class StepEntry:
     digest_logits: bool = False  # final stage: a digest of each sampled logit row (a recorded schedule)
     # Final stage, verify: a window in flight behind the previous one; sampled only if it continues it.
     continues: bool = False
+    # The head's own, never on the wire: an image's rows (float32, one per position) that its layers take
+    # in place of the token embeddings; ``token_ids`` then hold placeholders.
+    embd: np.ndarray | None = None
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
@@ -100,6 +103,8 @@ class Output:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per sample, when asked
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per row with a next token, when asked
     logit_digests: tuple[int, ...] | None = None  # one per sample, when asked (``digest_logits``)
+    # native_mtp_enabled: the final stage's MTP layers' guess of the token after ``token``
+    draft: int | None = None
 
 
 @dataclass(slots=True)  # not frozen: built per frame, and frozen __init__ costs ~4x (object.__setattr__ per field)
@@ -197,7 +202,7 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             token_ids = np.asarray(e.token_ids, dtype=np.int64)
             if token_ids.shape[0] != n:
                 raise InvalidRequestError(f"entries[{i}].token_ids has {token_ids.shape[0]} values for {n} positions")
-        rows = None if hidden is None else hidden[offset : offset + n]
+        rows = e.embd if shape.include_embeddings else hidden[offset : offset + n]
         offset += n
         sample_last, verify = e.sample_last, e.verify
         if verify:
@@ -253,5 +258,6 @@ def forward_step(step: Step, results: Sequence[EntryResult], shape: StageShape) 
 
 
 def outputs_from_results(results: Sequence[EntryResult], stage_id: str) -> Outputs:
-    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens, r.logprobs, r.prompt_logprobs, r.logit_digests)
+    return Outputs([Output(r.session_id, r.token, r.logits, r.tokens, r.logprobs, r.prompt_logprobs, r.logit_digests,
+                           r.draft)
                     for r in results], stage_id)

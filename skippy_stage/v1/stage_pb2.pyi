@@ -261,7 +261,7 @@ class FrameWelcome(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., stage_id: _Optional[str] = ...) -> None: ...
 
 class EntryOutput(_message.Message):
-    __slots__ = ("session_id", "has_token", "token", "logits", "tokens", "logprobs", "prompt_logprobs", "logit_digests")
+    __slots__ = ("session_id", "has_token", "token", "logits", "tokens", "logprobs", "prompt_logprobs", "logit_digests", "draft")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class EntryOutput(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     has_token: bool
     token: int
@@ -278,7 +279,8 @@ class EntryOutput(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     logit_digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., logit_digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft: int
+    def __init__(self, session_id: _Optional[str] = ..., has_token: _Optional[bool] = ..., token: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., logit_digests: _Optional[_Iterable[int]] = ..., draft: _Optional[int] = ...) -> None: ...
 
 class IterationBatchResponse(_message.Message):
     __slots__ = ("outputs", "final_stage_id")
@@ -529,7 +531,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop", "speculative", "top_logprobs", "stream_interval_ms", "record_schedule")
+    __slots__ = ("prompt", "messages", "max_tokens", "sampling", "stop", "speculative", "top_logprobs", "stream_interval_ms", "record_schedule", "media")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -539,6 +541,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     RECORD_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
@@ -548,7 +551,8 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     stream_interval_ms: int
     record_schedule: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., stream_interval_ms: _Optional[int] = ..., record_schedule: _Optional[bool] = ...) -> None: ...
+    media: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., stream_interval_ms: _Optional[int] = ..., record_schedule: _Optional[bool] = ..., media: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Speculative(_message.Message):
     __slots__ = ("drafter", "k", "ngram", "adaptive", "window_depth")

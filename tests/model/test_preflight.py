@@ -40,7 +40,7 @@ def seed_style(model: Path, **changes: object) -> dict:
         "run_id": "r", "topology_id": "t", "model_id": "smollm2", "model_path": str(model), "package_ref": None,
         "stage_id": "stage-1", "stage_index": 1, "layer_start": 10, "layer_end": 20, "ctx_size": None,
         "lane_count": 4, "n_batch": None, "n_ubatch": None, "mmap": None, "repack": False, "kv_unified": None,
-        "selected_device": {"backend_device": "CPU", "index": 0}, "native_mtp_enabled": True, "kv_cache": None,
+        "selected_device": {"backend_device": "CPU", "index": 0}, "native_mtp_enabled": False, "kv_cache": None,
         "load_mode": "runtime-slice", "bind_addr": "tcp://127.0.0.1:7001",
         "upstream": {"stage_id": "stage-0", "stage_index": 0, "endpoint": "tcp://127.0.0.1:7000"},
         "downstream": {"stage_id": "stage-2", "stage_index": 2, "endpoint": "tcp://127.0.0.1:7002"},

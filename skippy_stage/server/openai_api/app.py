@@ -77,7 +77,9 @@ def build_app(servicer: Any, live: _Live | None = None, *, token: str | None = N
     live = _Live() if live is None else live
 
     async def models(_request: Request) -> Response:
-        model = {"id": _model_id(servicer), "object": "model", "created": 0, "owned_by": "skippy-stage"}
+        model = {"id": _model_id(servicer), "object": "model", "created": 0, "owned_by": "skippy-stage",
+                 # what the head takes besides text (llama.cpp's server lists "multimodal" the same way)
+                 "capabilities": ["completion", *(["multimodal"] if servicer.stage.config.projector_path else [])]}
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(_request: Request) -> Response:

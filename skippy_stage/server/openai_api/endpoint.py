@@ -7,6 +7,7 @@ import asyncio
 import codecs
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,13 +18,13 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from skippy_stage.errors import DownstreamError, SkippyError
+from skippy_stage.errors import DownstreamError, InvalidFieldError, SkippyError
 from skippy_stage.head.generator import Finish, Generator, Piece
 from skippy_stage.head.tasks import PromptLogprobs
 from skippy_stage.model.logprobs import TokenLogprob
 from skippy_stage.server.openai_api.generation import _Generation, _Live, begin, sse_response
 from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _error_body, http_error_for
-from skippy_stage.server.openai_api.request import OpenAIRequest, _read_json, parse_request
+from skippy_stage.server.openai_api.request import OpenAIRequest, _read_json, fetch_images, parse_request
 from skippy_stage.server.openai_api.tools import ToolUse, parse_tools
 
 log = structlog.get_logger("skippy_stage.openai_api")
@@ -42,6 +43,18 @@ def _ready_generator(servicer: Any) -> Generator:
         raise DownstreamError(f"the chain below stage {stage.config.stage_id} is not ready: "
                               f"{stage.downstream_health.detail or 'not serving'}", stage_id=below)
     return generator
+
+
+def name_image_fields(exc: SkippyError, images: tuple) -> SkippyError:
+    """A refusal of ``media[i]`` (the head's name for a request's i-th image) renamed for the message
+    part that carried it (``messages[0].content[1].image_url.url``), as the client wrote it."""
+    if not images or not isinstance(exc, InvalidFieldError) or not (exc.param or "").startswith("media"):
+        return exc
+    match = re.fullmatch(r"media\[(\d+)\]", exc.param)
+    if match is None or int(match[1]) >= len(images):
+        return InvalidFieldError(images[0].where, str(exc))
+    where = images[int(match[1])].where
+    return InvalidFieldError(where, str(exc).replace(exc.param, where))
 
 
 def _model_id(servicer: Any) -> str:
@@ -153,7 +166,10 @@ class _Endpoint(CountedEndpoint):
             parsed = parse_request(body, chat=self.chat)
             tools = parse_tools(body, chat=self.chat)
             generator = await asyncio.to_thread(_ready_generator, self.servicer)
-            spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
+            media = await asyncio.to_thread(fetch_images, parsed.images,
+                                            allow_urls=generator.stage.config.media_url_fetch) \
+                if parsed.images else ()
+            spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint, media)
             if tools is not None:
                 spec = tools.render(spec, generator.runtime.tokenizer.metadata("tokenizer.chat_template"))
         except SkippyError as exc:
@@ -163,7 +179,7 @@ class _Endpoint(CountedEndpoint):
         try:
             generation, watcher, first = await begin(generator, spec, self.live, request, parsed.n)
         except SkippyError as exc:
-            return self._refuse(exc)
+            return self._refuse(name_image_fields(exc, parsed.images))
         if parsed.stream:
             stream = self._stream(head, parsed, generation, first, watcher, started, tools)
             return sse_response(stream)

@@ -7,6 +7,8 @@ at temperature 1, and 16 tokens for a completion (as many as the session holds f
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import json
 import math
@@ -22,13 +24,14 @@ from skippy_stage.errors import InvalidFieldError, InvalidRequestError
 from skippy_stage.head.drafting import SpeculativeRequest
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
 from skippy_stage.model.logprobs import MAX_TOP_LOGPROBS
+from skippy_stage.model.projector import MAX_IMAGE_BYTES, MEDIA_PART
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams, check_grammar_text
 from skippy_stage.server.openai_api.json_grammar import schema_grammar, unenforced
 
 ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and llama-cpp-python's) default for /v1/completions
-MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_BODY_BYTES = 32 * 1024 * 1024  # room for a few images as data: URLs
 MAX_CHOICES = 128  # n; the pipeline's lane_count bounds it further
 # Fields this server does not implement, with the values that mean "not used": any other
 # value is refused rather than silently ignored.
@@ -54,9 +57,11 @@ class OpenAIRequest:
     top_logprobs: int | None = None  # logprobs asked: each token's, and this many alternatives
     echo: bool = False  # completions: the prompt comes back before the completion
     n: int = 1  # independent choices of the same prompt
+    images: tuple[ImagePart, ...] = ()  # the chat's image_url parts, in order (their markers are in messages)
 
-    def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
-        """The Generate spec, with max_tokens checked against the pipeline's session size."""
+    def spec(self, max_tokens_limit: int, limit_hint: str = "", media: tuple[bytes, ...] = ()) -> GenerateSpec:
+        """The Generate spec, with max_tokens checked against the pipeline's session size; ``media``: the
+        images' bytes (``images`` fetched, ``fetch_images``)."""
         max_tokens = max_tokens_limit if self.max_tokens is None else self.max_tokens
         if max_tokens > max_tokens_limit:
             raise InvalidFieldError("max_tokens", f"max_tokens={max_tokens} exceeds this pipeline's limit "
@@ -64,7 +69,8 @@ class OpenAIRequest:
         return GenerateSpec(prompt=self.prompt, messages=self.messages, max_tokens=max_tokens,
                             sampling=self.sampling, stop=self.stop, speculative=self.speculative,
                             top_logprobs=self.top_logprobs, prompt_logprobs=self.top_logprobs if self.echo else None,
-                            max_tokens_fit=self.max_tokens is None, stream_interval_ms=self.hold_ms)
+                            max_tokens_fit=self.max_tokens is None, stream_interval_ms=self.hold_ms,
+                            media=media)
 
     @property
     def hold_ms(self) -> float | None:
@@ -126,23 +132,62 @@ def _bool_field(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _content(value: object, where: str) -> str:
-    """A message's content: a string, or a list of text parts (joined)."""
+@dataclass(frozen=True)
+class ImagePart:
+    """An ``image_url`` part of a chat message: its bytes (a ``data:`` URL's), or an http(s) URL the head
+    fetches only where its operator allows it (``media_url_fetch``); ``where`` names the field."""
+
+    where: str
+    data: bytes | None = None
+    url: str | None = None
+
+
+def _image_part(part: dict[str, Any], where: str) -> ImagePart:
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    field = f"{where}.image_url.url" if isinstance(image, dict) else f"{where}.image_url"
+    if not isinstance(url, str):
+        raise InvalidFieldError(field, f"{field} must be a string (a data: or http(s) URL), got {_json_kind(url)}")
+    if url.startswith(("http://", "https://")):
+        return ImagePart(field, url=url)
+    match = _DATA_URL.fullmatch(url[:256]) if url.startswith("data:") else None
+    if match is None:
+        raise InvalidFieldError(field, f"{field}={_show(url[:64])} must be a data: URL with base64 content "
+                                       f"(data:image/png;base64,...) or an http(s) URL")
+    try:
+        data = base64.b64decode(url[match.end("head"):], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidFieldError(field, f"{field}: the data: URL's content is not valid base64") from None
+    return ImagePart(field, data=data)
+
+
+_DATA_URL = re.compile(r"(?P<head>data:[\w.+-]+/[\w.+-]+(;[\w-]+=[^;,]*)*;base64,).*", re.DOTALL)
+
+
+def _content(value: object, where: str, images: list[ImagePart] | None = None) -> str:
+    """A message's content: a string, or a list of text parts (joined). With ``images``, ``image_url``
+    parts are taken too: each becomes the media marker in the text and its image goes to ``images``."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         texts = []
         for j, part in enumerate(value):
+            if images is not None and isinstance(part, dict) and part.get("type") == "image_url":
+                images.append(_image_part(part, f"{where}.content[{j}]"))
+                texts.append(MEDIA_PART)
+                continue
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise InvalidFieldError(f"{where}.content[{j}]", f"{where}.content[{j}]={_show(part)} must be a "
-                                        'text part {"type": "text", "text": "..."}')
+                kinds = "a text part {\"type\": \"text\", \"text\": \"...\"}" + (
+                    " or an image part {\"type\": \"image_url\", \"image_url\": {\"url\": \"...\"}}"
+                    if images is not None else "")
+                raise InvalidFieldError(f"{where}.content[{j}]", f"{where}.content[{j}]={_show(part)} must be {kinds}")
             texts.append(part["text"])
         return "".join(texts)
     raise InvalidFieldError(f"{where}.content", f"{where}.content must be a string or an array of text parts, "
                             f"got {_json_kind(value)}")
 
 
-def _messages(value: object) -> tuple[tuple[str, str], ...]:
+def _messages(value: object, images: list[ImagePart] | None = None) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else _json_kind(value)
         raise InvalidFieldError("messages", f"messages must be a non-empty array of {{role, content}} objects, got {got}")
@@ -157,7 +202,7 @@ def _messages(value: object) -> tuple[tuple[str, str], ...]:
         content = message.get("content")
         if content is None and role == "assistant" and message.get("tool_calls"):
             content = ""  # a turn of tool calls only (``tools`` checks them)
-        out.append((role, _content(content, where)))
+        out.append((role, _content(content, where, images)))
     return tuple(out)
 
 
@@ -323,10 +368,11 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
             raise InvalidFieldError(name, f"{name}={_show(value)} is not supported by this server")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise InvalidFieldError("model", f"model must be a string, got {_json_kind(body['model'])}")
+    images: list[ImagePart] = []
     if chat:
         if "messages" not in body:
             raise InvalidFieldError("messages", "messages is required")
-        prompt, messages = None, _messages(body["messages"])
+        prompt, messages = None, _messages(body["messages"], images)
         max_tokens = _int_field(body, "max_tokens", low=1)
         if max_tokens is None:
             max_tokens = _int_field(body, "max_completion_tokens", low=1)
@@ -365,7 +411,42 @@ def parse_request(body: object, *, chat: bool) -> OpenAIRequest:
                          stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
                          speculative=_speculative(body.get("speculative")), top_logprobs=top_logprobs,
                          echo=_echo(body, chat=chat),
-                         n=_int_field(body, "n", low=1, high=MAX_CHOICES) or 1)
+                         n=_int_field(body, "n", low=1, high=MAX_CHOICES) or 1, images=tuple(images))
+
+
+FETCH_TIMEOUT_S = 10.0
+
+
+def fetch_images(images: tuple[ImagePart, ...], *, allow_urls: bool) -> tuple[bytes, ...]:
+    """Every image's bytes: a data: URL's as given, an http(s) URL's fetched (at most
+    ``MAX_IMAGE_BYTES``, ``FETCH_TIMEOUT_S``) where ``allow_urls``, else refused naming the field.
+    Blocking: run it off the event loop."""
+    out = []
+    for image in images:
+        if image.data is not None:
+            out.append(image.data)
+            continue
+        if not allow_urls:
+            raise InvalidFieldError(image.where, f"{image.where}: this server does not fetch http(s) image URLs "
+                                                 f"(media_url_fetch is off); send the image as a data: URL")
+        out.append(_fetch(image))
+    return tuple(out)
+
+
+def _fetch(image: ImagePart) -> bytes:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(image.url, headers={"User-Agent": "skippy-stage"}),
+                                    timeout=FETCH_TIMEOUT_S) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise InvalidFieldError(image.where, f"{image.where}={_show(image.url)} could not be fetched: "
+                                             f"{getattr(exc, 'reason', exc)}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidFieldError(image.where, f"{image.where}={_show(image.url)} is larger than {MAX_IMAGE_BYTES} bytes")
+    return data
 
 
 async def _read_json(request: Request) -> object:

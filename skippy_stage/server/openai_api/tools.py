@@ -211,7 +211,8 @@ def _turns(value: list[Any]) -> tuple[tuple[dict[str, Any], ...], bool]:
         where = f"messages[{i}]"
         role = message["role"]
         content = message.get("content")
-        turn: dict[str, Any] = {"role": role, "content": "" if content is None else _content(content, where)}
+        # image parts become the media marker, as in ``request._messages`` (which keeps their images)
+        turn: dict[str, Any] = {"role": role, "content": "" if content is None else _content(content, where, [])}
         calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
