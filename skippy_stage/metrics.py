@@ -169,6 +169,9 @@ class StageMetrics:
         self.time_per_output_token = Histogram(
             "skippy_time_per_output_token_seconds", "Per generation, seconds from its first text leaving for the "
             "client to its end, over the tokens after the first message", buckets=_TPOT_BUCKETS, registry=r)
+        self.image_encode_seconds = Histogram(
+            "skippy_image_encode_seconds", "Seconds the head's projector took to encode one image of a prompt "
+            "(libmtmd, before the image's rows enter the head's layers)", buckets=_LATENCY_BUCKETS, registry=r)
         self.session_recoveries = Counter("skippy_session_recoveries", "Sessions the head re-prefilled through the "
                                           "chain after a stage below failed", registry=r)
         self._gauges = {

@@ -65,9 +65,11 @@ def add_speculative_flags(p: argparse.ArgumentParser, *, model: bool) -> None:
 def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float, seed: int | None,
               chat: bool, out: TextIO = sys.stdout, credentials: Credentials | None = None,
               speculative: dict[str, object] | None = None, stream_interval_ms: int | None = None,
-              record_schedule: str | None = None) -> dict[str, float]:
+              record_schedule: str | None = None, media: list[bytes] | None = None) -> dict[str, float]:
     """Stream one generation's text to ``out``; its timing figures. ``record_schedule``: a file to
-    write the batch schedule the pipeline ran to (``skippy-stage replay``)."""
+    write the batch schedule the pipeline ran to (``skippy-stage replay``). ``media``: images for the
+    prompt's media markers; a prompt without any gets one per image before its text (as llama.cpp's
+    mtmd-cli puts them)."""
     import grpc
 
     from skippy_stage.v1 import stage_pb2 as pb
@@ -85,6 +87,12 @@ def generate(endpoint: str, prompt: str, *, max_tokens: int, temperature: float,
     if stream_interval_ms is not None:
         request.stream_interval_ms = stream_interval_ms
     request.record_schedule = record_schedule is not None
+    if media:
+        from skippy_stage.model.projector import MEDIA_PART  # (it loads llama.cpp: only when images go)
+
+        request.media.extend(media)
+        if MEDIA_PART not in prompt:
+            prompt = MEDIA_PART * len(media) + "\n" + prompt
     if chat:
         request.messages.append(pb.ChatMessage(role="user", content=prompt))
     else:

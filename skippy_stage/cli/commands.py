@@ -150,10 +150,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        media = [Path(image).read_bytes() for image in args.image]
+    except OSError as exc:
+        print(f"skippy-stage generate: error: cannot read --image {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     generate(args.endpoint, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
               seed=args.seed, chat=args.chat, credentials=client_credentials(args),
               speculative={**speculative_flags(args), **({"window_depth": args.window_depth} if args.window_depth else {})},
-              record_schedule=args.record_schedule)
+              record_schedule=args.record_schedule, media=media)
     if sys.stdout.isatty():
         sys.stdout.write("\n")  # only for people: piped output is exactly the generated text
     return 0
@@ -362,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "verify_window_depth; 1: one per trip)")
     p.add_argument("--record-schedule", metavar="FILE", default=None,
                    help="record the batch schedule the pipeline runs and write it here (JSON), for replay")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image (PNG, JPEG, ...) for the prompt's media markers, in order (repeat for more; a "
+                        "head with a projector_path). A prompt without markers gets one per image before its text")
     add_speculative_flags(p, model=False)
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)

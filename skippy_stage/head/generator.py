@@ -348,7 +348,10 @@ class Generator:
             return MediaPrompt(self.runtime.tokenizer.tokenize(text, add_special=add_special, parse_special=True), ())
         if projector.marker != MEDIA_PART:
             text = text.replace(MEDIA_PART, projector.marker)
-        return projector.prompt(text, list(spec.media), add_special=add_special)
+        encoded = projector.prompt(text, list(spec.media), add_special=add_special, max_positions=self.max_context)
+        for span in encoded.media:
+            self.stage.metrics.image_encode_seconds.observe(span.encode_s)
+        return encoded
 
     def generate(self, spec: GenerateSpec, *, remaining_s: Callable[[], float | None],
                  is_active: Callable[[], bool] = lambda: True) -> Iterator[Piece | Finish]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class MediaSpan:
     rows: np.ndarray  # float32, (n, n_embd)
     digest: str  # sha256 of the image's bytes
     key: tuple[int, ...]
+    encode_s: float = 0.0  # what encoding it took (libmtmd's tower and projection)
 
     @property
     def end(self) -> int:
@@ -176,6 +178,7 @@ class Projector:
         if not self._ctx:
             raise ConfigError(f"projector_path={path}: libmtmd could not load it beside this model")
         self._lock = threading.Lock()
+        self.tokens_per_image = 0  # (the probe's own image is not bounded)
         try:
             if not mtmd.mtmd_support_vision(self._ctx):
                 raise ConfigError(f"projector_path={path} has no vision encoder")
@@ -193,14 +196,19 @@ class Projector:
 
     def _probe(self) -> int:
         """Rows one image becomes (a fixed-size projector's, found by encoding a small blank one)."""
-        encoded = self.prompt(self.marker, [_blank_ppm(8, 8)], kind_check=False)
+        encoded = self.prompt(self.marker, [_blank_ppm(8, 8)])
         return int(encoded.media[0].rows.shape[0])
 
     def prompt(self, text: str, images: list[bytes], *, add_special: bool = True,
-               kind_check: bool = True) -> MediaPrompt:
+               max_positions: int | None = None) -> MediaPrompt:
         """``text`` with one marker per image, tokenized and the images encoded. Refuses (naming
-        ``media[i]``) an image that does not decode, and a count of markers unlike the images'."""
+        ``media[i]``) an image that does not decode, a count of markers unlike the images', and (before
+        encoding any) more images than ``max_positions`` hold."""
         mtmd = self._mtmd
+        if max_positions is not None and len(images) * self.tokens_per_image >= max_positions:
+            raise InvalidFieldError("media", f"{len(images)} images take {len(images) * self.tokens_per_image} "
+                                             f"positions ({self.tokens_per_image} each); a session holds at most "
+                                             f"{max_positions}")
         bitmaps = []
         try:
             with self._lock:
@@ -252,14 +260,16 @@ class Projector:
                     # found by the probe at load: a projector of this kind never gets this far
                     raise ConfigError("this projector's images take other positions than rows, or non-causal "
                                       "attention, which the stages below the head do not carry")
+                started = time.perf_counter()
                 if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
                     raise InvalidFieldError(f"media[{len(media)}]", f"media[{len(media)}] could not be encoded")
+                encode_s = time.perf_counter() - started
                 out = mtmd.mtmd_get_output_embd(self._ctx)
                 rows = np.ctypeslib.as_array(out, shape=(n_rows * self.n_embd,)).copy().reshape(n_rows, self.n_embd)
                 if not np.isfinite(rows).all():
                     raise InvalidFieldError(f"media[{len(media)}]", f"media[{len(media)}] encodes to non-finite values")
                 digest = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
-                span = MediaSpan(len(tokens), rows, digest, media_keys(digest, n_rows))
+                span = MediaSpan(len(tokens), rows, digest, media_keys(digest, n_rows), encode_s)
                 media.append(span)
                 tokens.extend(span.key)
             return MediaPrompt(tokens, tuple(media))

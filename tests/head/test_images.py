@@ -1,9 +1,10 @@
 """Images at the head: a split reads an image exactly as the unsplit model does.
 
-The reference is llama-cpp-python's own multimodal path in one process: ``MTMDChatHandler``'s
-libmtmd context on a ``Llama`` loaded as the stages load, evaluating a prompt the way its
-``__call__`` does (text chunks through ``Llama.eval``, each image through
-``mtmd_helper_eval_chunk_single``), then greedy tokens one ``eval`` at a time. The split is a
+The reference is llama-cpp-python's own multimodal path in one process
+(``model.multimodal_reference``): ``MTMDChatHandler``'s libmtmd context on a ``Llama`` loaded as
+the stages load, evaluating a prompt the way its ``__call__`` does (text chunks through
+``Llama.eval``, each image through ``mtmd_helper_eval_chunk_single``), then greedy tokens one
+``eval`` at a time. The split is a
 chain of stage runtimes whose head has the same projector (``projector_path``): it encodes the
 image with libmtmd, feeds the rows to its own layers in place of token embeddings, and the
 stages below see hidden states as for any prompt. No vision model ships on PyPI, so the
@@ -16,7 +17,6 @@ Then the whole path through real processes: the OpenAI API's ``image_url`` parts
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import urllib.error
@@ -24,7 +24,6 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import llama_cpp
 import numpy as np
 import openai
 import pytest
@@ -35,7 +34,7 @@ from skippy_stage.cli.local import free_ports
 from skippy_stage.config import StageConfig
 from skippy_stage.errors import ConfigError, InvalidFieldError
 from skippy_stage.model import gguf_file
-from skippy_stage.model.loader import reference_llama_like
+from skippy_stage.model.multimodal_reference import MultimodalReference
 from skippy_stage.model.projector import PLACEHOLDER_TOKEN, check_image, image_size
 from skippy_stage.model.projector_fixture import write_projector
 from skippy_stage.model.runtime import StageRuntime
@@ -59,88 +58,14 @@ def projector(smollm2, tmp_path_factory) -> Path:
     return write_projector(smollm2, tmp_path_factory.mktemp("projector") / "mmproj.gguf", seed=1).path
 
 
-class MultimodalReference:
-    """llama-cpp-python's multimodal path on the unsplit model (see the module docstring)."""
-
-    def __init__(self, model: Path, projector: Path, *, logits_all: bool) -> None:
-        """``logits_all``: every text row an output (as a chain asked for ``all_rows``), or each batch's
-        last only (as a head's prompt chunks and generation steps)."""
-        import llama_cpp.mtmd_cpp as mtmd
-        from llama_cpp.llama_chat_format import MTMDChatHandler
-
-        (whole,) = split_configs(model, [(0, 30)], None, **SETTINGS)
-        self.mtmd = mtmd
-        self.llm = reference_llama_like(whole, logits_all=logits_all)
-        self.handler = MTMDChatHandler(clip_model_path=str(projector), verbose=False)
-        self.handler._init_mtmd_context(self.llm)
-
-    def greedy(self, prompt: str, images: list[bytes], n_tokens: int) -> tuple[int, list[np.ndarray], list[int]]:
-        """The prompt's length in positions, each step's last row of logits and the greedy tokens."""
-        mtmd, llm, ctx = self.mtmd, self.llm, self.handler.mtmd_ctx
-        bitmaps = [self.handler._create_bitmap_from_bytes(image) for image in images]
-        text = mtmd.mtmd_input_text()
-        data = prompt.encode()
-        text.text, text.text_len, text.add_special, text.parse_special = data, len(data), True, True
-        chunks = mtmd.mtmd_input_chunks_init()
-        try:
-            assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text),
-                                      (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps), len(bitmaps)) == 0
-            llm.reset()
-            llm._ctx.kv_cache_clear()
-            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                    n = ctypes.c_size_t()
-                    tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                    llm.eval([tokens[j] for j in range(n.value)])
-                else:
-                    past = llama_cpp.llama_pos(0)
-                    assert mtmd.mtmd_helper_eval_chunk_single(ctx, llm._ctx.ctx, chunk, llm.n_tokens, 0, llm.n_batch,
-                                                              False, ctypes.byref(past)) == 0
-                    llm.n_tokens = past.value
-        finally:
-            mtmd.mtmd_input_chunks_free(chunks)
-            for bitmap in bitmaps:
-                mtmd.mtmd_bitmap_free(bitmap)
-        length = llm.n_tokens
-        rows = [self._last_row()]
-        tokens = [int(np.argmax(rows[-1]))]
-        while len(tokens) < n_tokens:
-            llm.eval([tokens[-1]])
-            rows.append(self._last_row())
-            tokens.append(int(np.argmax(rows[-1])))
-        return length, rows, tokens
-
-    def _last_row(self) -> np.ndarray:
-        """The last decode's last row of logits (``Llama.scores`` keeps none without logits_all)."""
-        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).copy()
-
-    def render(self, chat: list[dict]) -> str:
-        """``chat`` as llama-cpp-python's multimodal handler renders it (each image part its marker), the
-        parts joined into one string: SmolLM2's template concatenates a message's content as a string."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        marker = self.mtmd.mtmd_default_marker().decode()
-        flat = [{**m, "content": "".join(p["text"] for p in self.handler._get_template_messages([m], marker)[0]["content"])}
-                if isinstance(m["content"], list) else m for m in chat]
-        eos, bos = self.llm.detokenize([self.llm.token_eos()]).decode(), self.llm.detokenize([self.llm.token_bos()]).decode()
-        formatter = Jinja2ChatFormatter(template=self.llm.metadata["tokenizer.chat_template"], eos_token=eos,
-                                        bos_token=bos)
-        return formatter(messages=flat).prompt
-
-    def text(self, tokens: list[int]) -> str:
-        return self.llm.detokenize(tokens).decode("utf-8", errors="ignore")
-
-    def close(self) -> None:
-        self.mtmd.mtmd_free(self.handler.mtmd_ctx)  # before the model it was loaded beside
-        self.handler.mtmd_ctx = None
-        self.llm.close()
+def whole(model: Path) -> StageConfig:
+    (config,) = split_configs(model, [(0, 30)], None, **SETTINGS)
+    return config
 
 
 @pytest.fixture(scope="module")
 def reference(smollm2, projector):
-    ref = MultimodalReference(smollm2, projector, logits_all=True)
+    ref = MultimodalReference(whole(smollm2), projector, logits_all=True)
     yield ref
     ref.close()
 
@@ -148,7 +73,7 @@ def reference(smollm2, projector):
 @pytest.fixture(scope="module")
 def head_reference(smollm2, projector):
     """The reference with a head's output rows: the last of each batch."""
-    ref = MultimodalReference(smollm2, projector, logits_all=False)
+    ref = MultimodalReference(whole(smollm2), projector, logits_all=False)
     yield ref
     ref.close()
 
@@ -396,7 +321,7 @@ def test_bad_images_are_refused_naming_the_part_and_the_head_serves_on(api, head
     many = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(IMAGES["80x48"])}}] * 130}]
     status, error = refusal(base, {"messages": many, "max_tokens": 4})
     assert status == 400 and error["param"] == "messages[0].content[0].image_url.url"
-    assert "130 images" in error["message"] and "a session holds at most 2048" in error["message"]
+    assert "130 images take 2080 positions" in error["message"] and "a session holds at most 2048" in error["message"]
     models = json.loads(urllib.request.urlopen(f"{base}/models", timeout=30).read())
     assert "multimodal" in models["data"][0]["capabilities"]
     answer = post(base, {"messages": CHAT, "temperature": 0, "max_tokens": 2})
