@@ -255,6 +255,15 @@ def test_a_chat_with_an_image_answers_what_the_unsplit_model_answers(api, head_r
     assert answer.usage.completion_tokens == MAX_TOKENS
 
 
+def test_choices_of_a_prompt_with_an_image_share_its_prefill(api, head_reference):
+    """n=2 at temperature 0: the prompt (image included) is prefilled once and each choice starts as a
+    copy of its KV; both answer the reference's text."""
+    _, base = api
+    answer = post(base, {"messages": CHAT, "temperature": 0, "max_tokens": MAX_TOKENS, "n": 2})
+    _, _, tokens = head_reference.greedy(head_reference.render(CHAT), [IMAGES["80x48"]], MAX_TOKENS)
+    assert [c["message"]["content"] for c in answer["choices"]] == [head_reference.text(tokens)] * 2
+
+
 def test_a_prefix_with_an_image_is_kept_and_reused_only_for_the_same_image(api, head_reference):
     """The same chat again reuses the resident prefix up to its last token (image included); the
     same words with another image reuse only what comes before the image, and answer for that image."""

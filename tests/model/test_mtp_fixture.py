@@ -54,6 +54,30 @@ def test_with_nextn_appends_the_blocks_and_keys_llama_cpp_reads() -> None:
     assert eh_proj.shape == (256, 512)  # numpy order: [2 * n_embd -> n_embd]
 
 
+def test_each_next_n_block_is_the_kind_its_architectures_mtp_graph_builds() -> None:
+    """cohere2moe's is full attention, mimo2's sliding-window with a fused QKV and a dense FFN
+    (``models/<arch>.cpp``); the others copy their last trunk block of the MoE FFN."""
+    def block(stem: str) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
+        spec = with_nextn(SPECS[stem])
+        meta = {k: v for k, _, _, v in spec.metadata}
+        return meta, {t.name[len("blk.6."):]: t.shape for t in spec.tensors if t.name.startswith("blk.6.")}
+
+    meta, cohere = block("cohere2moe-moe")
+    assert meta["cohere2moe.attention.sliding_window_pattern"] == (0, 1, 0, 1, 0, 1, 0)
+    assert {"attn_q.weight", "ffn_gate_inp.weight", "ffn_gate_up_exps.weight", "nextn.eh_proj.weight"} <= set(cohere)
+    meta, mimo = block("mimo2-moe")
+    assert meta["mimo2.attention.sliding_window_pattern"] == (0, 1, 0, 1, 0, 1, 1)
+    assert mimo["attn_qkv.weight"] == (768, 256)  # numpy order: [n_embd -> q + k + v]
+    assert {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_sinks.weight"} <= set(mimo)
+    assert not any(name.startswith(("attn_q.", "attn_k.", "attn_v.", "ffn_gate_inp", "ffn_down_exps"))
+                   for name in mimo)
+    for stem in ("deepseek32-moe", "hy_v3-moe"):
+        meta, other = block(stem)
+        assert meta[f"{SPECS[stem].architecture}.nextn_predict_layers"] == 1
+        assert "ffn_gate_inp.weight" in other and not any(name.endswith((".scale", ".input_scale")) for name in other)
+    assert "indexer.attn_q_b.weight" in block("deepseek32-moe")[1]  # its loader wants the indexer in every block
+
+
 def test_with_nextn_refuses_what_the_pinned_mtp_graphs_cannot_run() -> None:
     with pytest.raises(ValueError, match="no MTP fixture"):
         with_nextn(SPECS["llama-dense"])

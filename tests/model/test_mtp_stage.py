@@ -11,7 +11,9 @@ guess of the token after it (``EntryResult.draft``). Held to:
   one output row differs in the last bits (the last layer then runs over every row, for its h);
 - the drafts: driven with the batches of the one-process reference (``support.mtp_reference``:
   the prompt, then ``[last sample, draft]`` verify batches, a rejected draft rewound), each step's
-  draft is the reference's, and the committed tokens are plain greedy decoding's;
+  draft is the reference's, and the committed tokens are plain greedy decoding's; this for every
+  attention-only architecture with an MTP graph in the pinned llama.cpp (``ARCHS``: deepseek2,
+  deepseek32, cohere2moe, hy_v3, mimo2), the sliding-window ones decoding past their window;
 - refusals, by name: on a stage with a downstream, on a model without next-n layers, on a
   recurrent model (its state cannot be cut back after a rejected draft);
 - lanes: a session on a lane another session used drafts what it drafts on a fresh runtime.
@@ -47,6 +49,27 @@ N_TOKENS = 24
 CONTEXT = dict(ctx_size=256, lane_count=1, n_batch=64, n_ubatch=64, n_threads=2)
 
 
+@dataclass(frozen=True)
+class ArchCase:
+    split: list[tuple[int, int]]  # ranges the slicer accepts; the final stage holds the next-n block
+    n_tokens: int = N_TOKENS
+
+
+# Attention-only architectures whose pinned llama.cpp has an MTP graph (the hybrids qwen35,
+# qwen35moe and qwen3next have one too, but a stage refuses to speculate on recurrent state).
+ARCHS = {
+    "deepseek2-moe": ArchCase(SPLIT),
+    # The trunk attends through the DSA cache; the MTP context runs dense MLA over a plain KV cache.
+    "deepseek32-moe": ArchCase([(0, 3), (3, 7)]),
+    # The final stage: one sliding-window trunk layer, the full-attention next-n block. 32 tokens
+    # after an 8-token prompt run past the fixture's 32-token window.
+    "cohere2moe-moe": ArchCase([(0, 5), (5, 7)], n_tokens=32),
+    "hy_v3-moe": ArchCase([(0, 4), (4, 7)]),
+    # A sliding-window next-n block with fused QKV and a dense FFN; the final stage has no full attention.
+    "mimo2-moe": ArchCase([(0, 5), (5, 7)], n_tokens=32),
+}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mtp-stage")
@@ -75,6 +98,25 @@ def reference(models: dict[str, Path]):
             "oracle": mtp_decode(model, PROMPT, N_TOKENS, oracle=greedy.tokens),
             "other": mtp_decode(model, OTHER_PROMPT, N_TOKENS),
         }
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request: pytest.FixtureRequest, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """One architecture's MTP fixture, split, token count and one-process reference."""
+    stem = request.param
+    case = ARCHS[stem]
+    if stem == STEM:  # the model and reference the other tests use
+        return stem, models["mtp"], case, request.getfixturevalue("reference")
+    path = synthetic.write_model(with_nextn(SPECS[stem]), tmp_path_factory.mktemp("mtp-arch") / f"{stem}.gguf",
+                                 seed=42)
+    with MtpModel(path) as model:
+        greedy = greedy_decode(model, PROMPT, case.n_tokens)
+        reference = {
+            "greedy": greedy,
+            "mtp": mtp_decode(model, PROMPT, case.n_tokens),
+            "oracle": mtp_decode(model, PROMPT, case.n_tokens, oracle=greedy.tokens),
+        }
+    return stem, path, case, reference
 
 
 @dataclass
@@ -169,10 +211,12 @@ def test_mtp_changes_no_logit_of_a_step_whose_rows_are_all_outputs(models) -> No
         plain.close()
 
 
-def test_each_draft_is_the_reference_draft_and_the_tokens_are_greedy(models, reference, capsys) -> None:
-    chain = Chain(configs(models["mtp"], models["cache"]))
+def test_each_draft_is_the_reference_draft_and_the_tokens_are_greedy(arch, capsys) -> None:
+    stem, path, case, reference = arch
+    chain = Chain(configs(path, path.parent / "cache", case.split))
     try:
-        run = speculate(chain, "s", PROMPT, N_TOKENS)
+        assert [stage.n_layers_nextn for stage in chain.stages] == [0, 1]  # the final stage keeps the block
+        run = speculate(chain, "s", PROMPT, case.n_tokens)
     finally:
         chain.close()
     ref = reference["mtp"]
@@ -180,15 +224,16 @@ def test_each_draft_is_the_reference_draft_and_the_tokens_are_greedy(models, ref
     assert run.drafts[: len(ref.drafts)] == list(ref.drafts)
     assert (run.n_drafted, run.n_accepted) == (ref.n_drafted, ref.n_accepted)
     with capsys.disabled():
-        print(f"\nMTP drafts accepted {run.n_accepted}/{run.n_drafted} (random weights)")
+        print(f"\n{stem}: MTP drafts accepted {run.n_accepted}/{run.n_drafted} (random weights)")
 
 
-def test_accepted_drafts_keep_the_mtp_layers_in_step(models, reference) -> None:
+def test_accepted_drafts_keep_the_mtp_layers_in_step(arch) -> None:
     """An oracle's right drafts are accepted (two tokens per step); the MTP drafts still match the
     reference's, which was driven the same way."""
-    chain = Chain(configs(models["mtp"], models["cache"]))
+    _, path, case, reference = arch
+    chain = Chain(configs(path, path.parent / "cache", case.split))
     try:
-        run = speculate(chain, "s", PROMPT, N_TOKENS, oracle=reference["greedy"].tokens)
+        run = speculate(chain, "s", PROMPT, case.n_tokens, oracle=reference["greedy"].tokens)
     finally:
         chain.close()
     ref = reference["oracle"]
