@@ -20,6 +20,7 @@ from typing import Any
 import llama_cpp
 
 from skippy_stage.config import StageConfig, load_config
+from skippy_stage.errors import ConfigError
 from skippy_stage.model import host as host_facts
 from skippy_stage.model import loader
 from skippy_stage.model.capture import native_library_path
@@ -42,6 +43,13 @@ def effective_config(path: str | Path) -> tuple[StageConfig, str]:
     Credentials.from_config(cfg)  # the token and TLS files are there, readable and not empty
     info = check_against_model(cfg)
     loader.model_params(cfg)  # the host policy: repack on AMX, selected_device
+    if cfg.projector_path is not None:  # what libmtmd would crash on, or this head has not proven
+        from skippy_stage.model.projector import check_projector_file
+
+        try:
+            check_projector_file(cfg.projector_path, info.n_embd)
+        except ConfigError as exc:
+            raise ConfigError(f"stage {cfg.stage_id}: {exc}") from None
     sliced = cfg.load_mode == "artifact-slice" and cfg.package_ref is None  # info is the stage file's own
     layers = range(info.block_count) if sliced else range(cfg.layer_start, cfg.layer_end)
     size = resolve_context_size(cfg, info, layers)

@@ -144,3 +144,26 @@ def test_info_lists_the_quantizations_this_build_makes_and_which_need_an_imatrix
     types = {q["name"]: q["needs_imatrix"] for q in json.loads(done.stdout)["quantizations"]}
     assert types["preserve"] is False and types["Q4_K_M"] is False and types["Q8_0"] is False
     assert types["IQ2_XXS"] is True and types["IQ1_S"] is True
+
+
+def test_check_refuses_a_projector_libmtmd_would_crash_on_naming_the_tensor(smollm2, tmp_path):
+    """A head's projector is read before any weight loads: one without mm.2.weight (libmtmd would
+    segfault) exits 2 naming the tensor; a good one passes."""
+    from gguf import GGUFReader
+
+    from skippy_stage.model import gguf_file
+    from skippy_stage.model.projector_fixture import write_projector
+
+    good = write_projector(smollm2, tmp_path / "mmproj.gguf", seed=1).path
+    reader = GGUFReader(str(good))
+    bad = tmp_path / "broken.gguf"
+    gguf_file.write_gguf(bad, [(n, gguf_file.raw_value(f)) for n, f in reader.fields.items() if not n.startswith("GGUF.")],
+                         [gguf_file.tensor_from_reader(reader, t, t.name) for t in reader.tensors
+                          if t.name != "mm.2.weight"])
+    head = seed_style(smollm2, stage_id="stage-0", stage_index=0, layer_start=0, layer_end=10, upstream=None,
+                      downstream={"stage_id": "stage-1", "stage_index": 1, "endpoint": "tcp://127.0.0.1:7001"})
+    done = skippy("check", "--config", str(write(tmp_path, {**head, "projector_path": str(bad)})))
+    assert done.returncode == 2
+    assert "stage-0" in done.stderr and "tensor mm.2.weight is missing" in done.stderr
+    done = skippy("check", "--config", str(write(tmp_path, {**head, "projector_path": str(good)})))
+    assert done.returncode == 0, done.stderr
