@@ -191,7 +191,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def bench_plan(args: argparse.Namespace) -> BenchPlan:
     """What ``bench``'s flags ask for. ``--link-delay-ms D`` asks about a link: the wan section at D
-    (and at 0, the floor's), and only that section unless ``--only`` says otherwise."""
+    (and at 0, the floor's), and only that section unless ``--only`` says otherwise. ``--mtp-model``
+    is the mtp section's: refused without it, or naming no file."""
     from skippy_stage.cli.bench import SECTIONS, BenchPlan, WanSetup
 
     wan = WanSetup.from_flags(args.wan_delays_ms, args.link_delay_ms, args.link_mbit)
@@ -199,7 +200,12 @@ def bench_plan(args: argparse.Namespace) -> BenchPlan:
     link_flags = args.link_delay_ms is not None or args.wan_delays_ms is not None or args.link_mbit is not None
     if "wan" not in sections and link_flags:
         raise SkippyError("--link-delay-ms, --wan-delays-ms and --link-mbit set the wan section, which --only leaves out")
-    return BenchPlan(sections=sections, settings=tuple(args.settings), wan=wan)
+    if args.mtp_model is not None:
+        if "mtp" not in sections:
+            raise SkippyError("--mtp-model sets the mtp section, which --only leaves out")
+        if not Path(args.mtp_model).is_file():
+            raise SkippyError(f"--mtp-model {args.mtp_model}: no such file")
+    return BenchPlan(sections=sections, settings=tuple(args.settings), wan=wan, mtp_model=args.mtp_model)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -383,8 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure the split's cost against the unsplit model, in one run")
     p.add_argument("--json", help="also write the figures as JSON here")
     p.add_argument("--only", type=_sections, default=None, metavar="SECTION[,SECTION]",
-                   help="run these sections only: decode, batched, chat, speculative, repack, floors, wan "
-                        "(default: all)")
+                   help="run these sections only: decode, batched, chat, speculative, images, mtp, repack, "
+                        "floors, wan (default: all)")
+    p.add_argument("--mtp-model", default=None, metavar="FILE",
+                   help="the mtp section's model: a GGUF with multi-token-prediction (next-n) layers (default: a "
+                        "random-weight fixture, from a source checkout's tests; skipped without one)")
     delays = p.add_mutually_exclusive_group()
     delays.add_argument("--wan-delays-ms", default=None, metavar="D[,D...]",
                         help="the wan section's one-way delays per edge, in ms (default 0,2,10; 0 is always "

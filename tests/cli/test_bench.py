@@ -13,7 +13,10 @@ import sys
 
 import pytest
 
-from skippy_stage.cli.bench import SECTIONS
+from skippy_stage.cli.bench import SECTIONS, format_table
+from skippy_stage.cli.bench.images import ppm_image
+from skippy_stage.cli.bench.mtp import RANDOM_NOTE, mtp_ranges
+from skippy_stage.cli.bench.table import images_lines, mtp_lines
 from skippy_stage.cli.bench.wan import WAN_DELAYS_MS
 from skippy_stage.cli.commands import bench_plan, build_parser
 from skippy_stage.errors import SkippyError
@@ -75,6 +78,20 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
         assert figures["ngram"]["ms_per_token"] > 0 and figures["ngram"]["tokens_per_trip"] >= 1.0
         assert figures["speedup"] > 0
     assert "speculative ngram, repetitive" in run.stdout
+    # Images: the head's encode and the first token of a prompt with one, against libmtmd in one process.
+    images = report["images"]
+    assert images["stages"] == [[0, 10], [10, 20], [20, 30]]
+    for figures in (images["encode_ms_per_image"], images["ttft_ms_one_image"]):
+        assert all(v > 0 for v in figures.values())
+    assert "image encode ms per image, head / one process" in run.stdout and "TTFT ms, one image" in run.stdout
+    # Native MTP on the random-weight fixture (this is a source checkout): every step with the mtp
+    # drafter verifies one draft; without it, one token a trip.
+    mtp = report["mtp"]
+    assert mtp["random_weights"] is True and mtp["stages"] == [[0, 3], [3, 7]]
+    assert mtp["none"]["tokens_per_trip"] == 1.0 and mtp["mtp"]["tokens_per_trip"] >= 1.0
+    assert mtp["drafted"] > 0 and 0 <= mtp["accepted"] <= mtp["drafted"]
+    assert mtp["single_process_ms_per_token"] > 0 and all(v > 0 for v in mtp["ratios"].values())
+    assert "mtp ms/token, 2 stages, drafter mtp" in run.stdout and RANDOM_NOTE in run.stdout
     # Both ways back to the head, measured side by side; and the hop's floor with no stage work.
     assert set(report["frame_path_comparison_3_stage"]) == {"native_ms_per_token", "python_ms_per_token"}
     assert all(v > 0 for v in report["frame_path_comparison_3_stage"].values())
@@ -154,3 +171,84 @@ def test_bench_link_delay_asks_for_the_wan_section_at_that_delay_and_zero():
                   ["--wan-delays-ms", "2,x"], ["--link-delay-ms", "5", "--link-mbit", "0"]):
         with pytest.raises(SkippyError):
             plan(*flags)
+
+
+def test_bench_mtp_model_belongs_to_the_mtp_section_and_must_exist(tmp_path):
+    def plan(*flags: str):
+        return bench_plan(build_parser().parse_args(["bench", *flags]))
+
+    model = tmp_path / "mtp.gguf"
+    model.write_bytes(b"GGUF")
+    assert plan().mtp_model is None
+    assert plan("--only", "images,mtp").sections == ("images", "mtp")
+    assert plan("--mtp-model", str(model)).mtp_model == str(model)
+    assert plan("--only", "mtp", "--mtp-model", str(model)).sections == ("mtp",)
+    with pytest.raises(SkippyError, match="--only leaves out"):
+        plan("--only", "images", "--mtp-model", str(model))
+    with pytest.raises(SkippyError, match="no such file"):
+        plan("--mtp-model", str(tmp_path / "absent.gguf"))
+    # The sections run in their order, the two new ones after speculative.
+    assert SECTIONS.index("images") == SECTIONS.index("speculative") + 1 and SECTIONS.index("mtp") == SECTIONS.index("images") + 1
+
+
+def test_mtp_stages_split_the_blocks_evenly_the_final_one_holding_the_next_n_block():
+    assert mtp_ranges(7) == [(0, 3), (3, 7)]  # the fixture: 6 trunk blocks and the next-n block
+    assert mtp_ranges(62) == [(0, 31), (31, 62)]
+
+
+def test_the_bench_image_is_a_ppm_the_head_decodes_fixed_by_its_seed():
+    image = ppm_image(320, 240, seed=3)
+    assert image.startswith(b"P6 320 240 255\n") and len(image) == len(b"P6 320 240 255\n") + 320 * 240 * 3
+    assert image == ppm_image(320, 240, seed=3) != ppm_image(320, 240, seed=4)
+
+
+IMAGES = {"stages": [[0, 10], [10, 20], [20, 30]], "image": "320x240 PPM, random pixels",
+          "projector": "random weights (write_projector, seed 0)", "prompt_tokens": 30, "rounds": 5,
+          "encode_ms_per_image": {"head": 0.5, "single_process": 0.4, "ratio": 0.8},
+          "ttft_ms_one_image": {"pipeline": 150.0, "single_process": 120.0,
+                                "single_process_prefill_with_extra_encode": 120.4, "ratio": 0.8}}
+MTP = {"model": "deepseek2-moe + 1 next-n block, random weights", "random_weights": True, "stages": [[0, 3], [3, 7]],
+       "tokens": 64, "rounds": 5, "mtp": {"ms_per_token": 8.0, "tokens_per_trip": 1.25},
+       "none": {"ms_per_token": 5.0, "tokens_per_trip": 1.0}, "single_process_ms_per_token": 4.0,
+       "drafted": 315.0, "accepted": 63.0, "acceptance": 0.2,
+       "ratios": {"mtp_vs_none": 0.625, "mtp_vs_single_process": 0.5, "none_vs_single_process": 0.8}}
+
+
+def test_the_images_rows_put_the_head_beside_one_process_with_the_ratio():
+    encode, ttft, note = images_lines(IMAGES)
+    assert encode.startswith("image encode ms per image, head / one process")
+    assert encode.split()[-3:] == ["0.50", "0.40", "0.80"]
+    assert ttft.startswith("TTFT ms, one image, 3 stages / one process") and ttft.split()[-3:] == ["150.00", "120.00", "0.80"]
+    assert "medians of 5 rounds" in note and "120.40 ms with it" in note
+
+
+def test_the_mtp_rows_say_what_was_kept_and_that_random_weights_mean_nothing():
+    mtp_row, none_row, trips, model = mtp_lines(MTP)
+    assert mtp_row.split()[-3:] == ["8.00", "4.00", "0.50"] and none_row.split()[-3:] == ["5.00", "4.00", "0.80"]
+    assert "tokens/s with mtp over none 0.62" in trips and "1.25 tokens per trip (none 1.00)" in trips
+    assert "drafts kept 63/315 (20%)" in trips and RANDOM_NOTE in trips
+    assert "stages 0:3, 3:7" in model and "64 tokens, medians of 5 rounds" in model
+    trained = mtp_lines({**MTP, "random_weights": False})
+    assert RANDOM_NOTE not in "\n".join(trained)
+
+
+def test_a_skipped_mtp_section_is_printed_with_its_reason():
+    host = {"openmp_spincount": {"stages": "2000", "single_process": "default"},
+            "openmp_wait_policy": {"stages": "active", "single_process": "default"},
+            "openmp_proc_bind": {"stages": "true", "single_process": "default"}, "hidden_state_capture": "native",
+            "cpu_threads": "openmp", "wire_bytes_per_token": {"f32": 2304}}
+    table = format_table({"sections": ["images", "mtp"], "images": IMAGES,
+                          "mtp": {"skipped": "no model with MTP layers: pass --mtp-model FILE"}, **host})
+    lines = table.splitlines()
+    assert lines[0].split() == ["measure", "pipeline", "single", "ratio", "target"]
+    assert "mtp drafting: skipped (no model with MTP layers: pass --mtp-model FILE)" in lines
+    assert any(line.startswith("image encode ms per image") for line in lines)
+
+
+def test_without_the_checkout_s_fixtures_or_a_model_the_mtp_section_says_why(tmp_path, monkeypatch):
+    from skippy_stage.cli.bench import mtp
+
+    monkeypatch.setattr(mtp, "ARCHS", tmp_path / "tests" / "fixtures" / "archs.jsonl.gz")
+    assert mtp._mtp(tmp_path, str(tmp_path / "slices"), None) == {"skipped": mtp.mtp_model(tmp_path, None)[1]}
+    model, why = mtp.mtp_model(tmp_path, None)
+    assert model is None and "--mtp-model" in why and "tests/fixtures/archs.jsonl.gz" in why

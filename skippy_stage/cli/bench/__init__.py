@@ -9,8 +9,10 @@ ratios mean anything.
 
 ``report`` runs the sections chosen (``BenchPlan``; all by default) in turn and assembles the report;
 ``table`` prints it. Each section has a module: ``decode`` (single stream), ``batched`` (prefill and
-concurrency), ``chat`` (the prefix cache), ``speculative``, ``repack``, ``floors`` (a hop with no
-model) and ``wan`` (the 3-stage split over emulated links, at each delay). They
+concurrency), ``chat`` (the prefix cache), ``speculative``, ``images`` (the head's projector: an
+image's encode and the first token after it), ``mtp`` (the final stage's multi-token-prediction
+drafts, on a model with next-n layers), ``repack``, ``floors`` (a hop with no model) and ``wan``
+(the 3-stage split over emulated links, at each delay). They
 share ``workload`` (what is sent), ``pipeline`` (the pipelines measured), ``quiet_client``
 (the decode figures' client) and ``readings`` (CPU and metrics read off the processes).
 """

@@ -52,10 +52,12 @@ class _Pipeline:
     def __init__(self, model: Path, ranges: list[tuple[int, int]], workdir: Path, cache_dir: str,
                  transport: str | None = None, return_path: str = "direct", prefix_cache: bool = False,
                  kv_unified: bool | None = None, native_frames: bool = True, extra: dict | None = None,
-                 link: Link | None = None) -> None:
+                 link: Link | None = None, per_stage: list[dict] | None = None) -> None:
         """``prefix_cache`` off by default: the decode and prefill figures send the same prompt
         again and again, which resident prefixes would answer without a prefill. ``link``: every
-        edge of the chain through the link emulator (``relays``), in this process."""
+        edge of the chain through the link emulator (``relays``), in this process. ``per_stage``:
+        settings of one stage each, in order from the head (fewer than the stages: the rest take
+        none), over ``extra`` and ``bench --set``'s: a projector at the head, MTP at the final stage."""
         threads = self.threads = stage_threads(len(ranges))
         ports = free_ports("127.0.0.1", 2 * len(ranges))
         ports, self.metrics_ports = ports[: len(ranges)], ports[len(ranges) :]
@@ -67,6 +69,8 @@ class _Pipeline:
             "cpu_wake_latency_us": wake_latency_setting(), "native_frames": native_frames, **(extra or {}),
         }, return_path=return_path)
         configs = apply_settings(configs, SETTINGS)
+        for cfg, own in zip(configs, per_stage or []):
+            cfg.update(own)
         for cfg, port in zip(configs, self.metrics_ports):
             cfg["metrics_port"] = port
         self.relays: ChainRelays | None = relay_links(configs, link) if link is not None else None

@@ -21,6 +21,8 @@ from skippy_stage.cli.bench.decode import (
     _interleaved_decode,
 )
 from skippy_stage.cli.bench.floors import hop_floor_us, wake_floor_us
+from skippy_stage.cli.bench.images import _images
+from skippy_stage.cli.bench.mtp import _mtp
 from skippy_stage.cli.bench.pipeline import SETTINGS, stage_threads, wake_latency_setting
 from skippy_stage.cli.bench.repack import _repack
 from skippy_stage.cli.bench.speculative import _speculative
@@ -35,18 +37,19 @@ from skippy_stage.model.packaged import smollm2_path
 from skippy_stage.stage import native_frames, wire
 
 # The sections of a run, in the order they run (``bench --only``).
-SECTIONS = ("decode", "batched", "chat", "speculative", "repack", "floors", "wan")
+SECTIONS = ("decode", "batched", "chat", "speculative", "images", "mtp", "repack", "floors", "wan")
 
 
 @dataclass(frozen=True)
 class BenchPlan:
     """What one ``bench`` run measures: its ``sections``, the ``--set`` ``settings`` applied to the
-    stages of every pipeline it starts (the unsplit references stay as they are), and the links of
-    the ``wan`` section."""
+    stages of every pipeline it starts (the unsplit references stay as they are), the links of
+    the ``wan`` section and the ``mtp`` section's model (None: the random-weight fixture)."""
 
     sections: tuple[str, ...] = SECTIONS
     settings: tuple[str, ...] = ()
     wan: WanSetup = field(default_factory=WanSetup)
+    mtp_model: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.sections if name not in SECTIONS]
@@ -86,6 +89,14 @@ def run(json_path: str | None = None, plan: BenchPlan | None = None) -> dict[str
             speculative = report["speculative"] = _speculative(model, Path(tmp), cache_dir)
             ratios.update({f"speculative_{name}_tokens_per_s_ngram_vs_none": figures["speedup"]
                            for name, figures in speculative.items()})
+        if "images" in plan.sections:
+            images = report["images"] = _images(model, Path(tmp), cache_dir)
+            ratios["image_encode_3_stage_head"] = images["encode_ms_per_image"]["ratio"]
+            ratios["image_ttft_3_stage"] = images["ttft_ms_one_image"]["ratio"]
+        if "mtp" in plan.sections:
+            mtp = report["mtp"] = _mtp(Path(tmp), cache_dir, plan.mtp_model)
+            if "skipped" not in mtp:
+                ratios["mtp_2_stage_tokens_per_s_mtp_vs_none"] = mtp["ratios"]["mtp_vs_none"]
         if "repack" in plan.sections:
             report["repack"] = _repack(Path(tmp), cache_dir, cores)
         if "floors" in plan.sections:

@@ -3,12 +3,15 @@ ratio and its target."""
 
 from __future__ import annotations
 
+from skippy_stage.cli.bench.mtp import RANDOM_NOTE
+
 
 def format_table(report: dict[str, object]) -> str:
     """The sections the report holds, each as its rows (the host's settings always)."""
     r = report
     lines = []
-    if {"pipeline_ms_per_token", "aggregate_tokens_per_s", "chat_ttft_s", "speculative", "repack"} & set(r):
+    if {"pipeline_ms_per_token", "aggregate_tokens_per_s", "chat_ttft_s", "speculative", "images", "mtp",
+            "repack"} & set(r):
         lines.append(f"{'measure':44} {'pipeline':>12} {'single':>12} {'ratio':>8} {'target':>8}")
     if "pipeline_ms_per_token" in r:
         lines += _decode_lines(r)
@@ -18,6 +21,10 @@ def format_table(report: dict[str, object]) -> str:
         lines += _chat_lines(r)
     if "speculative" in r:
         lines += _speculative_lines(r)
+    if "images" in r:
+        lines += images_lines(r["images"])
+    if "mtp" in r:
+        lines += mtp_lines(r["mtp"])
     if "pipeline_ms_per_token" in r:
         lines += _transport_lines(r)
     if "hop_floor_us" in r:
@@ -90,6 +97,42 @@ def _speculative_lines(r: dict) -> list[str]:
                      f"a trip costing {s['trip_cost_ratio']:.2f}x a plain one (ratio column: tokens/s with ngram over "
                      f"without, 3 stages)")
     return lines
+
+
+def images_lines(images: dict) -> list[str]:
+    """The ``images`` section: the head's encode and a prompt's first token, against one process."""
+    e, t = images["encode_ms_per_image"], images["ttft_ms_one_image"]
+    n = len(images["stages"])
+    return [
+        f"{'image encode ms per image, head / one process':44} {e['head']:12.2f} {e['single_process']:12.2f} "
+        f"{e['ratio']:8.2f}",
+        f"{'TTFT ms, one image, ' + str(n) + ' stages / one process':44} {t['pipeline']:12.2f} "
+        f"{t['single_process']:12.2f} {t['ratio']:8.2f}",
+        f"  images: {images['image']}, {images['projector']}, {images['prompt_tokens']} prompt positions; "
+        f"one process: prefill from empty (without the bench's extra encode; "
+        f"{t['single_process_prefill_with_extra_encode']:.2f} ms with it); medians of {images['rounds']} "
+        f"round{'s' if images['rounds'] != 1 else ''} (ratio column: one process over the pipeline)",
+    ]
+
+
+def mtp_lines(mtp: dict) -> list[str]:
+    """The ``mtp`` section, or why it did not run."""
+    if "skipped" in mtp:
+        return [f"mtp drafting: skipped ({mtp['skipped']})"]
+    n = len(mtp["stages"])
+    single, ratios = mtp["single_process_ms_per_token"], mtp["ratios"]
+    acceptance = (f"drafts kept {mtp['accepted']:.0f}/{mtp['drafted']:.0f} ({mtp['acceptance']:.0%})"
+                  + (f" -- {RANDOM_NOTE}" if mtp["random_weights"] else ""))
+    return [
+        f"{'mtp ms/token, ' + str(n) + ' stages, drafter mtp':44} {mtp['mtp']['ms_per_token']:12.2f} {single:12.2f} "
+        f"{ratios['mtp_vs_single_process']:8.2f}",
+        f"{'mtp ms/token, ' + str(n) + ' stages, drafter none':44} {mtp['none']['ms_per_token']:12.2f} {single:12.2f} "
+        f"{ratios['none_vs_single_process']:8.2f}",
+        f"  mtp: tokens/s with mtp over none {ratios['mtp_vs_none']:.2f}; {mtp['mtp']['tokens_per_trip']:.2f} tokens "
+        f"per trip (none {mtp['none']['tokens_per_trip']:.2f}); {acceptance}",
+        f"  model {mtp['model']}, stages {', '.join(f'{a}:{b}' for a, b in mtp['stages'])}; {mtp['tokens']} tokens, "
+        f"medians of {mtp['rounds']} round{'s' if mtp['rounds'] != 1 else ''}",
+    ]
 
 
 def _transport_lines(r: dict) -> list[str]:
