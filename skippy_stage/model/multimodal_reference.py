@@ -15,6 +15,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from llama_cpp import _logger as llama_logger
 
 from skippy_stage.config import StageConfig
 from skippy_stage.model.loader import reference_llama_like
@@ -30,6 +31,9 @@ class MultimodalReference:
         from llama_cpp.llama_chat_format import MTMDChatHandler
 
         self.mtmd = mtmd
+        # libmtmd logs every chunk to stderr by default; llama-cpp-python's logger keeps errors only
+        mtmd.mtmd_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
+        mtmd.mtmd_helper_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
         self.llm = reference_llama_like(cfg, logits_all=logits_all)
         self.handler = MTMDChatHandler(clip_model_path=str(projector), verbose=False)
         self.handler._init_mtmd_context(self.llm)
