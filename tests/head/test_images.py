@@ -255,6 +255,27 @@ def test_a_chat_with_an_image_answers_what_the_unsplit_model_answers(api, head_r
     assert answer.usage.completion_tokens == MAX_TOKENS
 
 
+def test_anthropic_image_blocks_answer_what_the_openai_image_parts_answer(api, head_reference):
+    """The Messages API's base64 image block, between the same text blocks: the same rendered prompt,
+    so the reference's text; count_tokens counts the image's positions."""
+    import base64
+
+    _, base = api
+    blocks = [{"type": "text", "text": "What is in this picture? "},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(IMAGES["80x48"]).decode()}},
+              {"type": "text", "text": " Describe it."}]
+    root = base.removesuffix("/v1")
+    answer = post_to(f"{root}/v1/messages", {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 0,
+                                             "messages": [{"role": "user", "content": blocks}]})
+    length, _, tokens = head_reference.greedy(head_reference.render(CHAT), [IMAGES["80x48"]], MAX_TOKENS)
+    assert answer["content"][0]["text"] == head_reference.text(tokens)
+    assert answer["usage"]["input_tokens"] == length
+    counted = post_to(f"{root}/v1/messages/count_tokens",
+                      {"model": "m", "messages": [{"role": "user", "content": blocks}]})
+    assert counted["input_tokens"] == length
+
+
 def test_choices_of_a_prompt_with_an_image_share_its_prefill(api, head_reference):
     """n=2 at temperature 0: the prompt (image included) is prefilled once and each choice starts as a
     copy of its KV; both answer the reference's text."""
@@ -302,8 +323,11 @@ def test_generate_takes_images_as_media_bytes(api, head_reference):
 
 
 def post(base: str, body: dict) -> dict:
-    request = urllib.request.Request(f"{base}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    return post_to(f"{base}/chat/completions", body)
+
+
+def post_to(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 

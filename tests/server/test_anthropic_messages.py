@@ -218,7 +218,12 @@ USER = [{"role": "user", "content": "Hi"}]
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, ["thinking"]),
         ({"extra_body": {"frobnicate": 1}}, ["frobnicate"]),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, ["messages[0].content[0].type", "image"]),
+            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
+         ["messages[0].content[0].source.data", "no projector_path"]),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+         ["messages[0].content[0].source", "base64"]),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+         ["messages[0].content[0].type", "document"]),
         ({"messages": [{"role": "assistant", "content": "Hi"}]}, ["messages[0].role", "user"]),
         ({"messages": [*USER, *USER]}, ["messages[1].role", "alternate"]),
         ({"messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, ["messages[1].role", "prefill"]),

@@ -38,10 +38,10 @@ from skippy_stage.server.openai_api.anthropic_request import (
     parse_conversation,
     parse_messages_request,
 )
-from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator
+from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator, name_image_fields
 from skippy_stage.server.openai_api.generation import _Generation, _Live, begin, read_whole, sse_response
 from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _retry_after_s, http_error_for
-from skippy_stage.server.openai_api.request import _read_json
+from skippy_stage.server.openai_api.request import ImagePart, _read_json, fetch_images
 
 log = structlog.get_logger("skippy_stage.openai_api")
 
@@ -169,14 +169,18 @@ class MessagesEndpoint(CountedEndpoint):
 
     async def count_tokens(self, request: Request) -> Response:
         try:
-            messages, tools = parse_conversation(await _read_json(request), counting=True)
+            images: list[ImagePart] = []
+            messages, tools = parse_conversation(await _read_json(request), counting=True, images=images)
             generator = await asyncio.to_thread(self.servicer.head)
-            spec = GenerateSpec(prompt=None, messages=tuple(messages), max_tokens=1, sampling=SamplingParams(), stop=())
+            media = await asyncio.to_thread(fetch_images, tuple(images),
+                                            allow_urls=generator.stage.config.media_url_fetch) if images else ()
+            spec = GenerateSpec(prompt=None, messages=tuple(messages), max_tokens=1, sampling=SamplingParams(), stop=(),
+                                media=media)
             if tools is not None:
                 spec = tools.render(spec, generator.runtime.tokenizer.metadata("tokenizer.chat_template"))
             tokens = await asyncio.to_thread(generator.prompt_tokens, spec)
         except SkippyError as exc:
-            return self._refuse(exc)
+            return self._refuse(name_image_fields(exc, tuple(images)))
         return JSONResponse({"input_tokens": len(tokens)})
 
     async def handle(self, request: Request) -> Response:
@@ -184,7 +188,10 @@ class MessagesEndpoint(CountedEndpoint):
         try:
             parsed = parse_messages_request(await _read_json(request))
             generator = await asyncio.to_thread(_ready_generator, self.servicer)
-            spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint)
+            media = await asyncio.to_thread(fetch_images, parsed.images,
+                                            allow_urls=generator.stage.config.media_url_fetch) \
+                if parsed.images else ()
+            spec = parsed.spec(generator.max_context, generator.runtime.session_limit_hint, media)
             if parsed.tools is not None:
                 spec = parsed.tools.render(spec, generator.runtime.tokenizer.metadata("tokenizer.chat_template"))
         except SkippyError as exc:
@@ -194,7 +201,7 @@ class MessagesEndpoint(CountedEndpoint):
         try:
             generation, watcher, first = await begin(generator, spec, self.live, request)
         except SkippyError as exc:
-            return self._refuse(exc)
+            return self._refuse(name_image_fields(exc, parsed.images))
         if parsed.stream:
             return sse_response(self._stream(message, parsed, generation, first, watcher, started))
         text: list[str] = []

@@ -7,7 +7,7 @@ A ``system`` prompt and alternating user and assistant turns whose content is a 
 ``none``; ``disable_parallel_tool_use``), assistant ``tool_use`` blocks and user ``tool_result``
 blocks, the conversation is turned into chat completions' tool chat and goes through the same
 tool calls (``tools``: rendering, grammar, reading calls). Every other field Anthropic's API knows
-(``thinking``, image blocks, ...) is refused by name rather than ignored; ``metadata`` and
+(``thinking``, document blocks, ...) is refused by name rather than ignored; ``metadata`` and
 ``cache_control`` are accepted and ignored, because they change nothing here (resident
 prefixes cache every prompt without being asked).
 
@@ -16,6 +16,8 @@ Where a request leaves a field out, Anthropic's default applies: sampling at tem
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from dataclasses import dataclass
@@ -24,8 +26,16 @@ from typing import Any
 from skippy_stage.config import MAX_STREAM_INTERVAL_MS
 from skippy_stage.errors import InvalidFieldError
 from skippy_stage.head.generator import MAX_STOP_LEN, MAX_STOP_STRINGS, GenerateSpec
+from skippy_stage.model.projector import MEDIA_PART
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
-from skippy_stage.server.openai_api.request import _bool_field, _float_field, _int_field, _json_kind, _show
+from skippy_stage.server.openai_api.request import (
+    ImagePart,
+    _bool_field,
+    _float_field,
+    _int_field,
+    _json_kind,
+    _show,
+)
 from skippy_stage.server.openai_api.tools import ToolUse, parse_tools
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's documented default
@@ -53,9 +63,11 @@ class MessagesRequest:
     stop: tuple[str, ...]
     stream: bool
     tools: ToolUse | None = None  # tools offered, or tool turns in the conversation
+    images: tuple[ImagePart, ...] = ()  # the user turns' image blocks, in order (their markers are in messages)
 
-    def spec(self, max_tokens_limit: int, limit_hint: str = "") -> GenerateSpec:
-        """The Generate spec, with max_tokens checked against the pipeline's session size."""
+    def spec(self, max_tokens_limit: int, limit_hint: str = "", media: tuple[bytes, ...] = ()) -> GenerateSpec:
+        """The Generate spec, with max_tokens checked against the pipeline's session size; ``media``: the
+        images' bytes (``fetch_images``)."""
         if self.max_tokens > max_tokens_limit:
             raise InvalidFieldError("max_tokens", f"max_tokens={self.max_tokens} exceeds this pipeline's limit "
                                                   f"{max_tokens_limit} ({limit_hint})")
@@ -63,7 +75,7 @@ class MessagesRequest:
         # second (stop strings are seen only as tokens arrive, so a request with them takes the default).
         hold_ms = None if self.stream or self.stop else float(MAX_STREAM_INTERVAL_MS)
         return GenerateSpec(prompt=None, messages=self.messages, max_tokens=self.max_tokens, sampling=self.sampling,
-                            stop=self.stop, stream_interval_ms=hold_ms)
+                            stop=self.stop, stream_interval_ms=hold_ms, media=media)
 
 
 def _cache_control(value: object, where: str) -> None:
@@ -135,9 +147,38 @@ def _tool_result_block(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": f"Error: {text}" if block.get("is_error") else text}
 
 
-def _turn(role: str, content: object, where: str) -> tuple[str, list[dict[str, Any]]]:
+def _image_block(block: dict[str, Any], where: str) -> ImagePart:
+    """A user's ``image`` block: its bytes (``source`` base64) or its URL (``source`` url, fetched only
+    where the head's ``media_url_fetch`` allows)."""
+    _no_other_keys(block, frozenset({"type", "source", "cache_control"}), where)
+    if block.get("cache_control") is not None:
+        _cache_control(block["cache_control"], f"{where}.cache_control")
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        _no_other_keys(source, frozenset({"type", "media_type", "data"}), f"{where}.source")
+        data = source.get("data")
+        if not isinstance(data, str):
+            raise InvalidFieldError(f"{where}.source.data", f"{where}.source.data must be a base64 string, got "
+                                                            f"{_json_kind(data)}")
+        try:
+            return ImagePart(f"{where}.source.data", data=base64.b64decode(data, validate=True))
+        except (binascii.Error, ValueError):
+            raise InvalidFieldError(f"{where}.source.data", f"{where}.source.data is not valid base64") from None
+    if kind == "url":
+        _no_other_keys(source, frozenset({"type", "url"}), f"{where}.source")
+        url = source.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidFieldError(f"{where}.source.url", f"{where}.source.url={_show(url)} must be an http(s) URL")
+        return ImagePart(f"{where}.source.url", url=url)
+    raise InvalidFieldError(f"{where}.source", f"{where}.source={_show(source)} must be {{type: base64, media_type, "
+                                               f"data}} or {{type: url, url}}")
+
+
+def _turn(role: str, content: object, where: str, images: list[ImagePart]) -> tuple[str, list[dict[str, Any]]]:
     """A turn's text, and the turn as chat completions' messages (tool results as tool messages,
-    an assistant's calls as its ``tool_calls``)."""
+    an assistant's calls as its ``tool_calls``); a user's image blocks go to ``images``, each the media
+    marker in the text."""
     if not isinstance(content, list):
         text = _text(content, where)
         return text, [{"role": role, "content": text}]
@@ -155,6 +196,11 @@ def _turn(role: str, content: object, where: str) -> tuple[str, list[dict[str, A
             if role != "user":
                 raise InvalidFieldError(f"{at}.type", f"{at}.type='tool_result' belongs in a user turn")
             results.append(_tool_result_block(block, at))
+        elif kind == "image":
+            if role != "user":
+                raise InvalidFieldError(f"{at}.type", f"{at}.type='image' belongs in a user turn")
+            images.append(_image_block(block, at))
+            texts.append(MEDIA_PART)
         else:
             texts.append(_text_block(block, at))
     text = "".join(texts)
@@ -209,8 +255,9 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _messages(value: object) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
-    """The turns as (role, text), and as chat completions' messages (tool turns included)."""
+def _messages(value: object, images: list[ImagePart]) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+    """The turns as (role, text), and as chat completions' messages (tool turns included); images to
+    ``images``."""
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else _json_kind(value)
         raise InvalidFieldError("messages", f"messages must be a non-empty array of {{role, content}} objects, got {got}")
@@ -230,7 +277,7 @@ def _messages(value: object) -> tuple[list[tuple[str, str]], list[dict[str, Any]
         if role != expected:
             why = "the first turn must be the user's" if i == 0 else "user and assistant turns must alternate"
             raise InvalidFieldError(f"{where}.role", f"{where}.role={role!r}: {why}")
-        text, turns = _turn(role, message.get("content"), f"{where}.content")
+        text, turns = _turn(role, message.get("content"), f"{where}.content", images)
         out.append((role, text))
         chat.extend(turns)
     if out[-1][0] != "user":
@@ -266,9 +313,11 @@ def _check_fields(body: dict[str, Any], accepted: frozenset[str]) -> None:
         raise InvalidFieldError(name, f"{name}={_show(value)} is not supported by this server")
 
 
-def parse_conversation(body: object, *, counting: bool = False) -> tuple[list[tuple[str, str]], ToolUse | None]:
+def parse_conversation(body: object, *, counting: bool = False,
+                       images: list[ImagePart] | None = None) -> tuple[list[tuple[str, str]], ToolUse | None]:
     """The checked conversation of a body (``counting``: a count_tokens body, the conversation only),
-    and its tools and tool turns (None: a text conversation)."""
+    and its tools and tool turns (None: a text conversation); its image blocks go to ``images``."""
+    images = [] if images is None else images
     if not isinstance(body, dict):
         raise InvalidFieldError(None, f"the request body must be a JSON object, got {_json_kind(body)}")
     _check_fields(body, _COUNT_FIELDS if counting else _FIELDS)
@@ -278,7 +327,7 @@ def parse_conversation(body: object, *, counting: bool = False) -> tuple[list[tu
         _cache_control(body["cache_control"], "cache_control")
     if "messages" not in body:
         raise InvalidFieldError("messages", "messages is required")
-    messages, chat = _messages(body["messages"])
+    messages, chat = _messages(body["messages"], images)
     system = body.get("system")
     if system is not None:
         text = _text(system, "system")
@@ -303,7 +352,8 @@ def _anthropic_name(text: str | None) -> str | None:
 
 def parse_messages_request(body: object) -> MessagesRequest:
     """Validate a /v1/messages body, field by field."""
-    messages, tools = parse_conversation(body)
+    images: list[ImagePart] = []
+    messages, tools = parse_conversation(body, images=images)
     assert isinstance(body, dict)  # parse_conversation checked it
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise InvalidFieldError("metadata", f"metadata must be an object, got {_json_kind(body['metadata'])}")
@@ -320,4 +370,4 @@ def parse_messages_request(body: object) -> MessagesRequest:
     )
     return MessagesRequest(messages=tuple(messages), max_tokens=max_tokens, sampling=sampling.validate(),
                            stop=_stop_sequences(body.get("stop_sequences")), stream=_bool_field(body, "stream"),
-                           tools=tools)
+                           tools=tools, images=tuple(images))

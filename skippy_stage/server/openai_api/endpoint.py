@@ -51,10 +51,9 @@ def name_image_fields(exc: SkippyError, images: tuple) -> SkippyError:
     if not images or not isinstance(exc, InvalidFieldError) or not (exc.param or "").startswith("media"):
         return exc
     match = re.fullmatch(r"media\[(\d+)\]", exc.param)
-    if match is None or int(match[1]) >= len(images):
-        return InvalidFieldError(images[0].where, str(exc))
-    where = images[int(match[1])].where
-    return InvalidFieldError(where, str(exc).replace(exc.param, where))
+    where = images[int(match[1])].where if match is not None and int(match[1]) < len(images) else images[0].where
+    message = str(exc)
+    return InvalidFieldError(where, message.replace(exc.param, where) if exc.param in message else f"{where}: {message}")
 
 
 def _model_id(servicer: Any) -> str:
