@@ -205,6 +205,10 @@ class Projector:
         ``media[i]``) an image that does not decode, a count of markers unlike the images', and (before
         encoding any) more images than ``max_positions`` hold."""
         mtmd = self._mtmd
+        markers = text.count(self.marker)
+        if markers != len(images):  # before any image is decoded
+            raise InvalidFieldError("media", f"the prompt has {markers} media markers ({self.marker!r}) for "
+                                             f"{len(images)} images: one marker per image")
         if max_positions is not None and len(images) * self.tokens_per_image >= max_positions:
             raise InvalidFieldError("media", f"{len(images)} images take {len(images) * self.tokens_per_image} "
                                              f"positions ({self.tokens_per_image} each); a session holds at most "
@@ -228,10 +232,7 @@ class Projector:
 
     def _tokenize(self, text: str, bitmaps: list, add_special: bool) -> MediaPrompt:
         mtmd = self._mtmd
-        markers = text.count(self.marker)
-        if markers != len(bitmaps):
-            raise InvalidFieldError("media", f"the prompt has {markers} media markers ({self.marker!r}) for "
-                                             f"{len(bitmaps)} images: one marker per image")
+        markers = len(bitmaps)
         data = text.encode("utf-8")
         given = mtmd.mtmd_input_text()
         given.text, given.text_len, given.add_special, given.parse_special = data, len(data), add_special, True
