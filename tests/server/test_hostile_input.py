@@ -387,6 +387,9 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         request.sampling.CopyFrom(draw(sampling_params()))
     if draw(rarely(4)):
         request.stream_interval_ms = draw(st.sampled_from([0, 20, 1000, 1001, UINT32_MAX]))
+    if draw(rarely(6)):  # images, to a head with no projector (or none a marker asks for)
+        request.media.extend(draw(st.lists(st.binary(max_size=64) | st.just(b"\x89PNG\r\n\x1a\n" + bytes(24)),
+                                           min_size=1, max_size=3)))
     if draw(rarely(40)):  # past max_message_bytes
         request.prompt = "x" * (MAX_MESSAGE_BYTES + 1)
     return request
