@@ -32,6 +32,30 @@ What the pinned libmtmd needs of such a file, each found by a file without it:
 The text model's width is its ``<arch>.embedding_length``, which is what
 ``llama_model_n_embd_inp`` gives for a plain decoder (only models that concatenate extra input
 features differ, and those are not the ones this projector is for).
+
+``kind="qwen2vl"`` writes Qwen2-VL's projector instead (``clip.projector_type =
+"qwen2vl_merger"``, ``PROJECTOR_TYPE_QWEN2VL``), for an M-RoPE text model (``qwen2vl``), beside
+which libmtmd lays an image out in two dimensions. Its graph is ``clip_graph_qwen2vl``
+(``tools/mtmd/models/qwen2vl.cpp``, see :func:`_merger_tensors`) and it differs from llava's in
+what libmtmd does with an image:
+
+- the size is the image's own (dynamic resolution): each side rounded to a multiple of
+  ``2 * patch_size``, and an area outside 8 to 4096 rows (or the context's
+  ``image_min_tokens``/``image_max_tokens``; a max below the min fails ``mtmd_init_from_file``)
+  scaled into it before the sides are rounded, so the count can still land a little outside;
+  each 2x2 block of patches becomes one row, so an ``nx`` by ``ny`` grid of rows;
+- the rows take ``max(nx, ny)`` positions, not one each: every row of an image starting at
+  position ``p`` has the M-RoPE position ``(t, y, x, z) = (p, p + row, p + column, 0)`` and the
+  text after it starts at ``p + max(nx, ny)``.
+
+What the pinned libmtmd needs of this type beyond the mlp's list, each found by a file without it:
+``v.patch_embd.weight.1`` (the second temporal half of the patch conv) and the attention's q, k
+and v biases, which the graph uses unchecked (without any of them building the graph segfaults:
+at the first encode, or in ``mtmd_init_from_file`` with warmup on); no ``v.patch_embd.bias``
+(the graph's ``GGML_ASSERT`` aborts); ``mm.0.weight`` taking ``4 * width`` inputs (a
+``ggml_can_mul_mat`` abort otherwise); ``mm.2.bias``, whose width is the row width libmtmd
+checks against the text model's (without it ``mtmd_init_from_file`` returns NULL). No
+``v.position_embd.weight``: the tower's positions are a 2-D RoPE.
 """
 
 from __future__ import annotations
@@ -80,30 +104,73 @@ class ProjectorShape:
 
 
 @dataclass(frozen=True)
+class MergerShape:
+    """A Qwen2-VL vision tower's size (``clip.projector_type = "qwen2vl_merger"``).
+
+    libmtmd sizes the image itself (see the module docstring): it keeps the aspect ratio and
+    rounds each side to a multiple of ``patch_size * 2``; each 2x2 block of patches is one row.
+    With a patch of 8 an 80x48 image is 5x3 = 15 rows, 64x64 is 4x4, 200x120 is 13x8."""
+
+    image_size: int = 64  # read by libmtmd but unused for this type (it sizes images itself)
+    patch_size: int = 8
+    width: int = 64  # the vision tower's n_embd
+    feed_forward: int = 128  # must differ from width (see the module docstring)
+    block_count: int = 2  # every block is run
+    head_count: int = 2
+    hidden: int = 256  # mm.0's output, mm.2's input (Qwen2-VL: 4 * width)
+
+    def __post_init__(self) -> None:
+        if self.width % self.head_count or (self.width // self.head_count) % 4:
+            raise ValueError(f"width {self.width} over {self.head_count} heads: the vision 2-D RoPE wants "
+                             "a head size that is a multiple of 4")
+        if self.feed_forward == self.width:
+            raise ValueError("feed_forward equal to width trips clip.cpp's up/down swap heuristic")
+        if self.block_count < 1:
+            raise ValueError(f"block_count {self.block_count}: at least 1")
+
+
+KINDS: dict[str, type[ProjectorShape] | type[MergerShape]] = {"mlp": ProjectorShape, "qwen2vl": MergerShape}
+
+
+@dataclass(frozen=True)
 class WrittenProjector:
     path: Path
     n_bytes: int
-    n_image_tokens: int
+    n_image_tokens: int | None  # None: it depends on the image (qwen2vl's dynamic resolution)
     n_embd: int  # width of every row, the text model's n_embd
     seed: int
+    kind: str = "mlp"
 
 
 def write_projector(model: str | os.PathLike[str], out: str | os.PathLike[str], *, seed: int = 0,
-                    shape: ProjectorShape | None = None) -> WrittenProjector:
-    """Write a random-weight mlp projector for ``model`` to ``out``: the same bytes for the same
-    seed, shape and model. A model that is missing or not a readable GGUF raises
+                    shape: ProjectorShape | MergerShape | None = None, kind: str = "mlp") -> WrittenProjector:
+    """Write a random-weight projector of ``kind`` (``"mlp"`` or ``"qwen2vl"``) for ``model`` to
+    ``out``: the same bytes for the same kind, seed, shape and model. ``shape`` defaults to the
+    kind's (:class:`ProjectorShape`, :class:`MergerShape`); one of the other kind is a
+    ``ValueError``. A model that is missing or not a readable GGUF raises
     :class:`~skippy_stage.errors.ConfigError` (:class:`~skippy_stage.errors.ModelFileError`);
     ``OSError`` if ``out`` cannot be written, leaving no partial file."""
-    shape = shape or ProjectorShape()
+    if kind not in KINDS:
+        raise ValueError(f"unknown projector kind {kind!r}: one of {', '.join(KINDS)}")
+    shape = shape or KINDS[kind]()
+    if not isinstance(shape, KINDS[kind]):
+        raise ValueError(f"a {type(shape).__name__} is not the shape of a {kind} projector")
     n_embd = read_model_info(model).n_embd
+    n_image_tokens: int | None
+    if isinstance(shape, MergerShape):
+        metadata, tensors = _merger_metadata(shape, n_embd, seed), list(_merger_tensors(shape, n_embd, seed))
+        n_image_tokens = None
+    else:
+        metadata, tensors = _metadata(shape, n_embd, seed), list(_tensors(shape, n_embd, seed))
+        n_image_tokens = shape.n_image_tokens
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     try:
-        gguf_file.write_gguf(partial, _metadata(shape, n_embd, seed), list(_tensors(shape, n_embd, seed)))
+        gguf_file.write_gguf(partial, metadata, tensors)
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
-    return WrittenProjector(out, out.stat().st_size, shape.n_image_tokens, n_embd, seed)
+    return WrittenProjector(out, out.stat().st_size, n_image_tokens, n_embd, seed, kind)
 
 
 def _metadata(shape: ProjectorShape, n_embd: int, seed: int) -> list[tuple[str, bytes]]:
@@ -174,6 +241,84 @@ def _tensors(shape: ProjectorShape, n_embd: int, seed: int) -> Iterator[gguf_fil
         yield normal(f"{p}.ffn_down.weight", width, ff)
         yield zeros(f"{p}.ffn_down.bias", width)
     yield normal("mm.0.weight", hidden, width)
+    yield zeros("mm.0.bias", hidden)
+    yield normal("mm.2.weight", n_embd, hidden)
+    yield zeros("mm.2.bias", n_embd)
+
+
+def _merger_metadata(shape: MergerShape, n_embd: int, seed: int) -> list[tuple[str, bytes]]:
+    def u32(value: int) -> bytes:
+        return gguf_file.pack_value(T.UINT32, value)  # never INT32: libmtmd aborts on it
+
+    def floats(values: list[float]) -> bytes:
+        return gguf_file.pack_value(T.ARRAY, values, T.FLOAT32)
+
+    # No clip.use_gelu/use_silu: the tower's FFN is then GELU-quick, which is Qwen2-VL's.
+    return [
+        ("general.architecture", gguf_file.pack_value(T.STRING, "clip")),
+        ("general.name", gguf_file.pack_value(T.STRING, "skippy-stage random qwen2vl projector")),
+        ("general.description", gguf_file.pack_value(
+            T.STRING, f"random weights, seed {seed}, for {n_embd}-wide M-RoPE text models; a test fixture")),
+        ("clip.has_vision_encoder", gguf_file.pack_value(T.BOOL, True)),
+        ("clip.has_audio_encoder", gguf_file.pack_value(T.BOOL, False)),
+        ("clip.projector_type", gguf_file.pack_value(T.STRING, "qwen2vl_merger")),
+        ("clip.vision.image_size", u32(shape.image_size)),
+        ("clip.vision.patch_size", u32(shape.patch_size)),
+        ("clip.vision.embedding_length", u32(shape.width)),
+        ("clip.vision.feed_forward_length", u32(shape.feed_forward)),
+        ("clip.vision.block_count", u32(shape.block_count)),
+        ("clip.vision.projection_dim", u32(n_embd)),
+        ("clip.vision.attention.head_count", u32(shape.head_count)),
+        ("clip.vision.attention.layer_norm_epsilon", gguf_file.pack_value(T.FLOAT32, 1e-6)),
+        ("clip.vision.image_mean", floats([0.5, 0.5, 0.5])),
+        ("clip.vision.image_std", floats([0.5, 0.5, 0.5])),
+    ]
+
+
+def _merger_tensors(shape: MergerShape, n_embd: int, seed: int) -> Iterator[gguf_file.Tensor]:
+    """The tensors ``clip_graph_qwen2vl`` (``tools/mtmd/models/qwen2vl.cpp``) reads::
+
+        conv2d(v.patch_embd.weight) + conv2d(v.patch_embd.weight.1)   (the temporal pair, one frame)
+        -> blocks (ln1, attn q/k/v/out with 2-D M-RoPE, ln2, ffn up/down) -> v.post_ln
+        -> every 2x2 patches concatenated (4 * width) -> mm.0 -> GELU -> mm.2 (out = n_embd)
+
+    No ``v.patch_embd.bias`` and no class embedding: the graph asserts both absent. No position
+    embedding: positions are the RoPE's."""
+    rng = np.random.default_rng(seed)
+    width, ff, hidden, patch = shape.width, shape.feed_forward, shape.hidden, shape.patch_size
+
+    def tensor(name: str, values: np.ndarray) -> gguf_file.Tensor:
+        return gguf_file.tensor_from_array(name, values.astype(np.float32), F32)
+
+    def normal(name: str, *dims: int, scale: float | None = None) -> gguf_file.Tensor:
+        return tensor(name, rng.standard_normal(dims) * (scale if scale is not None else dims[-1] ** -0.5))
+
+    def ones(name: str, n: int) -> gguf_file.Tensor:
+        return tensor(name, np.ones(n))
+
+    def zeros(name: str, n: int) -> gguf_file.Tensor:
+        return tensor(name, np.zeros(n))
+
+    # Both temporal halves of Qwen2-VL's 3-D patch conv; a still image goes through both.
+    conv_scale = (2 * 3 * patch * patch) ** -0.5
+    yield normal("v.patch_embd.weight", width, 3, patch, patch, scale=conv_scale)
+    yield normal("v.patch_embd.weight.1", width, 3, patch, patch, scale=conv_scale)
+    for il in range(shape.block_count):
+        p = f"v.blk.{il}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            yield normal(f"{p}.{name}.weight", width, width)
+            yield zeros(f"{p}.{name}.bias", width)  # q/k/v biases are added unchecked: they must exist
+        yield ones(f"{p}.ln1.weight", width)
+        yield zeros(f"{p}.ln1.bias", width)
+        yield ones(f"{p}.ln2.weight", width)
+        yield zeros(f"{p}.ln2.bias", width)
+        yield normal(f"{p}.ffn_up.weight", ff, width)
+        yield zeros(f"{p}.ffn_up.bias", ff)
+        yield normal(f"{p}.ffn_down.weight", width, ff)
+        yield zeros(f"{p}.ffn_down.bias", width)
+    yield ones("v.post_ln.weight", width)
+    yield zeros("v.post_ln.bias", width)
+    yield normal("mm.0.weight", hidden, 4 * width)
     yield zeros("mm.0.bias", hidden)
     yield normal("mm.2.weight", n_embd, hidden)
     yield zeros("mm.2.bias", n_embd)
