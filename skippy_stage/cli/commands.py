@@ -272,12 +272,14 @@ def cmd_make_projector(args: argparse.Namespace) -> int:
     from skippy_stage.model.projector_fixture import write_projector
 
     try:
-        written = write_projector(args.model, args.out, seed=args.seed)
+        written = write_projector(args.model, args.out, seed=args.seed, kind=args.kind)
     except OSError as exc:
         print(f"skippy-stage make-projector: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    print(f"{written.path}: {written.n_bytes} bytes, a random-weight mlp projector (seed {written.seed}); "
-          f"{written.n_image_tokens} image tokens per image, {written.n_embd} floats each (the text model's n_embd)")
+    rows = (f"{written.n_image_tokens} image tokens per image" if written.n_image_tokens is not None
+            else "an image's tokens depend on its size")
+    print(f"{written.path}: {written.n_bytes} bytes, a random-weight {written.kind} projector (seed {written.seed}); "
+          f"{rows}, {written.n_embd} floats each (the text model's n_embd)")
     return 0
 
 
@@ -445,6 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="the text model's GGUF (the projector's rows are as wide as its n_embd)")
     p.add_argument("--out", required=True, help="the projector's GGUF file (replaced if it exists)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights: the same seed and model give the same bytes")
+    p.add_argument("--kind", choices=("mlp", "qwen2vl"), default="mlp",
+                   help="mlp: llava-style, 16 rows an image, what a head takes today (default); qwen2vl: Qwen2-VL's "
+                        "merger, for an M-RoPE text model (rows and positions depend on the image's size; heads "
+                        "refuse it until M-RoPE images are carried down the chain)")
     p.set_defaults(func=cmd_make_projector)
 
     p = sub.add_parser("verify", help="prove a split of MODEL computes exactly what llama-cpp-python computes on "

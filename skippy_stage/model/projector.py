@@ -36,6 +36,8 @@ log = structlog.get_logger("skippy_stage.projector")
 # Projector types whose images a split reproduces bit for bit (tests/head/test_images.py):
 # one row per position, causal attention, plain positions.
 PROVEN_TYPES = ("mlp",)
+# Projector types whose images take M-RoPE positions (Qwen2-VL and kin: libmtmd's PROJECTOR_TYPE_QWEN*VL).
+_MROPE_TYPES = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
 # What libmtmd reads with gguf_get_val_u32 for these types (a key of another type aborts).
 _U32_KEYS = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
              "clip.vision.feed_forward_length", "clip.vision.block_count", "clip.vision.projection_dim",
@@ -114,6 +116,10 @@ def check_projector_file(path: str | Path, n_embd: int) -> str:
     if value("clip.has_vision_encoder") is not True:
         raise ConfigError(f"{where}: clip.has_vision_encoder is not true: the head takes images only")
     kind = value("clip.projector_type")
+    if kind in _MROPE_TYPES:
+        raise ConfigError(f"{where}: clip.projector_type={kind!r}: its images take M-RoPE positions (2-D per row, "
+                          f"fewer positions than rows), which the stages below the head do not carry; accepted: "
+                          f"{', '.join(PROVEN_TYPES)}")
     if kind not in PROVEN_TYPES:
         raise ConfigError(f"{where}: clip.projector_type={kind!r} is not proven on a split head (accepted: "
                           f"{', '.join(PROVEN_TYPES)}); its image rows could differ from the unsplit model's")

@@ -177,7 +177,8 @@ def head_config(smollm2, slice_cache, **fields) -> StageConfig:
     return dataclasses.replace(split_configs(smollm2, [(0, 10), (10, 30)], slice_cache, **SETTINGS)[0], **fields)
 
 
-@pytest.mark.parametrize("case", ["int32 key", "no mm.2", "no position_embd", "another projector type"])
+@pytest.mark.parametrize("case", ["int32 key", "no mm.2", "no position_embd", "another projector type",
+                                  "an M-RoPE projector"])
 def test_a_projector_libmtmd_would_crash_on_is_refused_by_name_before_libmtmd_opens_it(
         case, smollm2, slice_cache, projector, tmp_path):
     """A u32 key written as INT32 aborts libmtmd, a missing mm.2 or position_embd segfaults it: each is
@@ -193,10 +194,13 @@ def test_a_projector_libmtmd_would_crash_on_is_refused_by_name_before_libmtmd_op
     elif case == "no position_embd":
         bad = rewrite(projector, tmp_path / "p.gguf", drop="v.position_embd.weight")
         match = r"tensor v\.position_embd\.weight is missing"
-    else:
+    elif case == "another projector type":
         bad = rewrite(projector, tmp_path / "p.gguf",
                       key=("clip.projector_type", gguf_file.pack_value(GGUFValueType.STRING, "gemma3")))
         match = r"clip\.projector_type='gemma3' is not proven on a split head"
+    else:
+        bad = write_projector(smollm2, tmp_path / "p.gguf", seed=1, kind="qwen2vl").path
+        match = r"clip\.projector_type='qwen2vl_merger': its images take M-RoPE positions"
     with pytest.raises(ConfigError, match=match):
         StageRuntime(head_config(smollm2, slice_cache, projector_path=str(bad)))
 

@@ -101,6 +101,16 @@ def projector(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def test_make_projector_writes_the_qwen2vl_kind_when_asked(smollm2: Path, tmp_path: Path) -> None:
+    out = tmp_path / "merger.gguf"
+    result = skippy("make-projector", str(smollm2), "--out", str(out), "--kind", "qwen2vl")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{out}: {out.stat().st_size} bytes, a random-weight qwen2vl projector (seed 0); "
+        f"an image's tokens depend on its size, 576 floats each (the text model's n_embd)"]
+    assert GGUFReader(str(out)).fields["clip.projector_type"].contents() == "qwen2vl_merger"
+
+
 def test_libmtmd_loads_it_beside_smollm2_and_encodes_one_image_into_16_rows_of_576(
         smollm2: Path, projector: Path) -> None:
     child = subprocess.run([sys.executable, "-c", ENCODE_ONE_IMAGE, str(smollm2), str(projector)],
