@@ -173,106 +173,102 @@ def write_projector(model: str | os.PathLike[str], out: str | os.PathLike[str], 
     return WrittenProjector(out, out.stat().st_size, n_image_tokens, n_embd, seed, kind)
 
 
-def _metadata(shape: ProjectorShape, n_embd: int, seed: int) -> list[tuple[str, bytes]]:
-    def u32(value: int) -> bytes:
-        return gguf_file.pack_value(T.UINT32, value)  # never INT32: libmtmd aborts on it
+def _u32(value: int) -> bytes:
+    return gguf_file.pack_value(T.UINT32, value)  # never INT32: libmtmd aborts on it
 
-    def floats(values: list[float]) -> bytes:
-        return gguf_file.pack_value(T.ARRAY, values, T.FLOAT32)
 
+def _header(what: str, description: str, projector_type: str) -> list[tuple[str, bytes]]:
+    """The keys every projector here starts with."""
     return [
         ("general.architecture", gguf_file.pack_value(T.STRING, "clip")),
-        ("general.name", gguf_file.pack_value(T.STRING, "skippy-stage random mlp projector")),
-        ("general.description", gguf_file.pack_value(
-            T.STRING, f"random weights, seed {seed}, for {n_embd}-wide text models; a test fixture")),
+        ("general.name", gguf_file.pack_value(T.STRING, f"skippy-stage random {what} projector")),
+        ("general.description", gguf_file.pack_value(T.STRING, description)),
         ("clip.has_vision_encoder", gguf_file.pack_value(T.BOOL, True)),
         ("clip.has_audio_encoder", gguf_file.pack_value(T.BOOL, False)),
-        ("clip.projector_type", gguf_file.pack_value(T.STRING, "mlp")),
-        ("clip.use_gelu", gguf_file.pack_value(T.BOOL, True)),
-        ("clip.vision.image_size", u32(shape.image_size)),
-        ("clip.vision.patch_size", u32(shape.patch_size)),
-        ("clip.vision.embedding_length", u32(shape.width)),
-        ("clip.vision.feed_forward_length", u32(shape.feed_forward)),
-        ("clip.vision.block_count", u32(shape.block_count)),
-        ("clip.vision.projection_dim", u32(n_embd)),
-        ("clip.vision.attention.head_count", u32(shape.head_count)),
-        ("clip.vision.attention.layer_norm_epsilon", gguf_file.pack_value(T.FLOAT32, 1e-6)),
-        ("clip.vision.image_mean", floats([0.5, 0.5, 0.5])),
-        ("clip.vision.image_std", floats([0.5, 0.5, 0.5])),
+        ("clip.projector_type", gguf_file.pack_value(T.STRING, projector_type)),
     ]
 
 
-def _tensors(shape: ProjectorShape, n_embd: int, seed: int) -> Iterator[gguf_file.Tensor]:
-    """Every tensor, drawn in a fixed order from one generator (numpy's PCG64 gives the same
-    values on every machine). Shapes are numpy's, the reverse of ggml's ``ne``."""
-    rng = np.random.default_rng(seed)
-    width, ff, hidden = shape.width, shape.feed_forward, shape.hidden
+def _tower(shape: ProjectorShape | MergerShape, n_embd: int) -> list[tuple[str, bytes]]:
+    """The vision tower's keys, the same for both kinds."""
+    floats = gguf_file.pack_value(T.ARRAY, [0.5, 0.5, 0.5], T.FLOAT32)
+    return [
+        ("clip.vision.image_size", _u32(shape.image_size)),
+        ("clip.vision.patch_size", _u32(shape.patch_size)),
+        ("clip.vision.embedding_length", _u32(shape.width)),
+        ("clip.vision.feed_forward_length", _u32(shape.feed_forward)),
+        ("clip.vision.block_count", _u32(shape.block_count)),
+        ("clip.vision.projection_dim", _u32(n_embd)),
+        ("clip.vision.attention.head_count", _u32(shape.head_count)),
+        ("clip.vision.attention.layer_norm_epsilon", gguf_file.pack_value(T.FLOAT32, 1e-6)),
+        ("clip.vision.image_mean", floats),
+        ("clip.vision.image_std", floats),
+    ]
 
+
+def _metadata(shape: ProjectorShape, n_embd: int, seed: int) -> list[tuple[str, bytes]]:
+    return [*_header("mlp", f"random weights, seed {seed}, for {n_embd}-wide text models; a test fixture", "mlp"),
+            ("clip.use_gelu", gguf_file.pack_value(T.BOOL, True)), *_tower(shape, n_embd)]
+
+
+class _Draw:
+    """F32 tensors drawn in a fixed order from one generator (numpy's PCG64 gives the same values on
+    every machine). Shapes are numpy's, the reverse of ggml's ``ne``."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    @staticmethod
     def tensor(name: str, values: np.ndarray) -> gguf_file.Tensor:
         return gguf_file.tensor_from_array(name, values.astype(np.float32), F32)
 
-    def normal(name: str, *dims: int, scale: float | None = None) -> gguf_file.Tensor:
+    def normal(self, name: str, *dims: int, scale: float | None = None) -> gguf_file.Tensor:
         # 1/sqrt(fan_in) keeps activations near unit size through the layers.
-        return tensor(name, rng.standard_normal(dims) * (scale if scale is not None else dims[-1] ** -0.5))
+        return self.tensor(name, self.rng.standard_normal(dims) * (scale if scale is not None else dims[-1] ** -0.5))
 
-    def ones(name: str, n: int) -> gguf_file.Tensor:
-        return tensor(name, np.ones(n))
+    def ones(self, name: str, n: int) -> gguf_file.Tensor:
+        return self.tensor(name, np.ones(n))
 
-    def zeros(name: str, n: int) -> gguf_file.Tensor:
-        return tensor(name, np.zeros(n))
+    def zeros(self, name: str, n: int) -> gguf_file.Tensor:
+        return self.tensor(name, np.zeros(n))
 
-    patch = shape.patch_size
-    yield normal("v.patch_embd.weight", width, 3, patch, patch, scale=(3 * patch * patch) ** -0.5)
-    yield zeros("v.patch_embd.bias", width)
-    yield normal("v.position_embd.weight", shape.n_image_tokens, width, scale=0.02)
-    yield ones("v.pre_ln.weight", width)
-    yield zeros("v.pre_ln.bias", width)
-    for il in range(shape.block_count):
-        p = f"v.blk.{il}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            yield normal(f"{p}.{name}.weight", width, width)
-            yield zeros(f"{p}.{name}.bias", width)
-        yield ones(f"{p}.ln1.weight", width)
-        yield zeros(f"{p}.ln1.bias", width)
-        yield ones(f"{p}.ln2.weight", width)
-        yield zeros(f"{p}.ln2.bias", width)
-        yield normal(f"{p}.ffn_up.weight", ff, width)
-        yield zeros(f"{p}.ffn_up.bias", ff)
-        yield normal(f"{p}.ffn_down.weight", width, ff)
-        yield zeros(f"{p}.ffn_down.bias", width)
-    yield normal("mm.0.weight", hidden, width)
-    yield zeros("mm.0.bias", hidden)
-    yield normal("mm.2.weight", n_embd, hidden)
-    yield zeros("mm.2.bias", n_embd)
+    def blocks(self, count: int, width: int, ff: int) -> Iterator[gguf_file.Tensor]:
+        """ViT blocks as clip.cpp loads them (every bias present: qwen2vl adds q/k/v's unchecked)."""
+        for il in range(count):
+            p = f"v.blk.{il}"
+            for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+                yield self.normal(f"{p}.{name}.weight", width, width)
+                yield self.zeros(f"{p}.{name}.bias", width)
+            yield self.ones(f"{p}.ln1.weight", width)
+            yield self.zeros(f"{p}.ln1.bias", width)
+            yield self.ones(f"{p}.ln2.weight", width)
+            yield self.zeros(f"{p}.ln2.bias", width)
+            yield self.normal(f"{p}.ffn_up.weight", ff, width)
+            yield self.zeros(f"{p}.ffn_up.bias", ff)
+            yield self.normal(f"{p}.ffn_down.weight", width, ff)
+            yield self.zeros(f"{p}.ffn_down.bias", width)
+
+
+def _tensors(shape: ProjectorShape, n_embd: int, seed: int) -> Iterator[gguf_file.Tensor]:
+    """Every tensor of the mlp projector, drawn in a fixed order (``_Draw``)."""
+    draw = _Draw(seed)
+    width, hidden, patch = shape.width, shape.hidden, shape.patch_size
+    yield draw.normal("v.patch_embd.weight", width, 3, patch, patch, scale=(3 * patch * patch) ** -0.5)
+    yield draw.zeros("v.patch_embd.bias", width)
+    yield draw.normal("v.position_embd.weight", shape.n_image_tokens, width, scale=0.02)
+    yield draw.ones("v.pre_ln.weight", width)
+    yield draw.zeros("v.pre_ln.bias", width)
+    yield from draw.blocks(shape.block_count, width, shape.feed_forward)
+    yield draw.normal("mm.0.weight", hidden, width)
+    yield draw.zeros("mm.0.bias", hidden)
+    yield draw.normal("mm.2.weight", n_embd, hidden)
+    yield draw.zeros("mm.2.bias", n_embd)
 
 
 def _merger_metadata(shape: MergerShape, n_embd: int, seed: int) -> list[tuple[str, bytes]]:
-    def u32(value: int) -> bytes:
-        return gguf_file.pack_value(T.UINT32, value)  # never INT32: libmtmd aborts on it
-
-    def floats(values: list[float]) -> bytes:
-        return gguf_file.pack_value(T.ARRAY, values, T.FLOAT32)
-
     # No clip.use_gelu/use_silu: the tower's FFN is then GELU-quick, which is Qwen2-VL's.
-    return [
-        ("general.architecture", gguf_file.pack_value(T.STRING, "clip")),
-        ("general.name", gguf_file.pack_value(T.STRING, "skippy-stage random qwen2vl projector")),
-        ("general.description", gguf_file.pack_value(
-            T.STRING, f"random weights, seed {seed}, for {n_embd}-wide M-RoPE text models; a test fixture")),
-        ("clip.has_vision_encoder", gguf_file.pack_value(T.BOOL, True)),
-        ("clip.has_audio_encoder", gguf_file.pack_value(T.BOOL, False)),
-        ("clip.projector_type", gguf_file.pack_value(T.STRING, "qwen2vl_merger")),
-        ("clip.vision.image_size", u32(shape.image_size)),
-        ("clip.vision.patch_size", u32(shape.patch_size)),
-        ("clip.vision.embedding_length", u32(shape.width)),
-        ("clip.vision.feed_forward_length", u32(shape.feed_forward)),
-        ("clip.vision.block_count", u32(shape.block_count)),
-        ("clip.vision.projection_dim", u32(n_embd)),
-        ("clip.vision.attention.head_count", u32(shape.head_count)),
-        ("clip.vision.attention.layer_norm_epsilon", gguf_file.pack_value(T.FLOAT32, 1e-6)),
-        ("clip.vision.image_mean", floats([0.5, 0.5, 0.5])),
-        ("clip.vision.image_std", floats([0.5, 0.5, 0.5])),
-    ]
+    return [*_header("qwen2vl", f"random weights, seed {seed}, for {n_embd}-wide M-RoPE text models; a test fixture",
+                     "qwen2vl_merger"), *_tower(shape, n_embd)]
 
 
 def _merger_tensors(shape: MergerShape, n_embd: int, seed: int) -> Iterator[gguf_file.Tensor]:
@@ -284,41 +280,16 @@ def _merger_tensors(shape: MergerShape, n_embd: int, seed: int) -> Iterator[gguf
 
     No ``v.patch_embd.bias`` and no class embedding: the graph asserts both absent. No position
     embedding: positions are the RoPE's."""
-    rng = np.random.default_rng(seed)
-    width, ff, hidden, patch = shape.width, shape.feed_forward, shape.hidden, shape.patch_size
-
-    def tensor(name: str, values: np.ndarray) -> gguf_file.Tensor:
-        return gguf_file.tensor_from_array(name, values.astype(np.float32), F32)
-
-    def normal(name: str, *dims: int, scale: float | None = None) -> gguf_file.Tensor:
-        return tensor(name, rng.standard_normal(dims) * (scale if scale is not None else dims[-1] ** -0.5))
-
-    def ones(name: str, n: int) -> gguf_file.Tensor:
-        return tensor(name, np.ones(n))
-
-    def zeros(name: str, n: int) -> gguf_file.Tensor:
-        return tensor(name, np.zeros(n))
-
+    draw = _Draw(seed)
+    width, hidden, patch = shape.width, shape.hidden, shape.patch_size
     # Both temporal halves of Qwen2-VL's 3-D patch conv; a still image goes through both.
     conv_scale = (2 * 3 * patch * patch) ** -0.5
-    yield normal("v.patch_embd.weight", width, 3, patch, patch, scale=conv_scale)
-    yield normal("v.patch_embd.weight.1", width, 3, patch, patch, scale=conv_scale)
-    for il in range(shape.block_count):
-        p = f"v.blk.{il}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            yield normal(f"{p}.{name}.weight", width, width)
-            yield zeros(f"{p}.{name}.bias", width)  # q/k/v biases are added unchecked: they must exist
-        yield ones(f"{p}.ln1.weight", width)
-        yield zeros(f"{p}.ln1.bias", width)
-        yield ones(f"{p}.ln2.weight", width)
-        yield zeros(f"{p}.ln2.bias", width)
-        yield normal(f"{p}.ffn_up.weight", ff, width)
-        yield zeros(f"{p}.ffn_up.bias", ff)
-        yield normal(f"{p}.ffn_down.weight", width, ff)
-        yield zeros(f"{p}.ffn_down.bias", width)
-    yield ones("v.post_ln.weight", width)
-    yield zeros("v.post_ln.bias", width)
-    yield normal("mm.0.weight", hidden, 4 * width)
-    yield zeros("mm.0.bias", hidden)
-    yield normal("mm.2.weight", n_embd, hidden)
-    yield zeros("mm.2.bias", n_embd)
+    yield draw.normal("v.patch_embd.weight", width, 3, patch, patch, scale=conv_scale)
+    yield draw.normal("v.patch_embd.weight.1", width, 3, patch, patch, scale=conv_scale)
+    yield from draw.blocks(shape.block_count, width, shape.feed_forward)
+    yield draw.ones("v.post_ln.weight", width)
+    yield draw.zeros("v.post_ln.bias", width)
+    yield draw.normal("mm.0.weight", hidden, 4 * width)
+    yield draw.zeros("mm.0.bias", hidden)
+    yield draw.normal("mm.2.weight", n_embd, hidden)
+    yield draw.zeros("mm.2.bias", n_embd)

@@ -22,11 +22,8 @@ from skippy_stage.model.projector_fixture import MergerShape, ProjectorShape, wr
 
 ARCHS = Path(__file__).resolve().parent.parent / "fixtures" / "archs.jsonl.gz"
 
-# Loads MODEL and PROJECTOR, tokenizes a prompt with one image (raw RGB bytes, not the
-# projector's size, so the preprocessor resizes it) at the default marker, encodes the image
-# chunk twice and prints what came out as JSON.
-ENCODE_ONE_IMAGE = r"""
-import ctypes, json, sys
+# What every child script starts with: llama.cpp and libmtmd silent, MODEL (argv[1]) loaded, its n_embd.
+CHILD_PREAMBLE = r"""import ctypes, json, sys
 import numpy as np
 import llama_cpp
 import llama_cpp.mtmd_cpp as mtmd
@@ -43,6 +40,12 @@ model_params.n_gpu_layers = 0
 model = llama_cpp.llama_model_load_from_file(model_path.encode(), model_params)
 assert model, "model load failed"
 n_embd = llama_cpp.llama_model_n_embd_inp(model)
+"""
+
+# Loads MODEL and PROJECTOR, tokenizes a prompt with one image (raw RGB bytes, not the
+# projector's size, so the preprocessor resizes it) at the default marker, encodes the image
+# chunk twice and prints what came out as JSON.
+ENCODE_ONE_IMAGE = CHILD_PREAMBLE + r"""
 params = mtmd.mtmd_context_params_default()
 params.use_gpu = False
 params.n_threads = 1
@@ -191,24 +194,7 @@ def test_an_unwritable_output_is_one_line(smollm2: Path, tmp_path: Path) -> None
 # and by hand the way a head would (text chunks as token batches; the image's rows as one
 # llama_batch of embeddings whose positions are section-major, 4 * n_rows of them, as
 # mtmd-helper-common.h's set_position_mrope_2d lays them out: t, then y, then x, then z).
-QWEN2VL_PROMPT = r"""
-import ctypes, json, sys
-import numpy as np
-import llama_cpp
-import llama_cpp.mtmd_cpp as mtmd
-
-@llama_cpp.llama_log_callback
-def silent(level, text, user_data):
-    pass
-
-llama_cpp.llama_log_set(silent, ctypes.c_void_p(0))
-mtmd.mtmd_helper_log_set(silent, ctypes.c_void_p(0))
-model_path, projector_path = sys.argv[1], sys.argv[2]
-model_params = llama_cpp.llama_model_default_params()
-model_params.n_gpu_layers = 0
-model = llama_cpp.llama_model_load_from_file(model_path.encode(), model_params)
-assert model, "model load failed"
-n_embd = llama_cpp.llama_model_n_embd_inp(model)
+QWEN2VL_PROMPT = CHILD_PREAMBLE + r"""
 n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 params = mtmd.mtmd_context_params_default()
 params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
