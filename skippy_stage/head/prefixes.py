@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -55,13 +55,15 @@ class PrefixCache:
         with self._lock:
             return len(self._tokens)
 
-    def claim(self, prompt: Sequence[int]) -> Match | None:
+    def claim(self, prompt: Sequence[int], fit: Callable[[int], int] | None = None) -> Match | None:
         """Take the prefix that saves the most prefill for ``prompt`` (it leaves the cache: one
-        session at a time owns a lane), or None when none shares a token."""
+        session at a time owns a lane), or None when none shares a token. ``fit``: the most of a
+        shared run of ``n`` tokens the prompt may keep (a cut never inside an M-RoPE image)."""
         with self._lock:
             best: Match | None = None
             for prefix_id, tokens in self._tokens.items():
                 n = reusable(tokens, prompt)
+                n = n if fit is None or n <= 0 else fit(n)
                 if n > 0 and (best is None or n > best.reuse):
                     best = Match(prefix_id, n)
             if best is not None:

@@ -49,7 +49,14 @@ from skippy_stage.errors import (
 from skippy_stage.head.drafting import ReturnedDraft
 from skippy_stage.head.inflight import BatchCount
 from skippy_stage.head.prefixes import PrefixCache
-from skippy_stage.head.step_plan import chain_prefill, chain_window, live_windows, plan_step, prefill_ahead
+from skippy_stage.head.step_plan import (
+    chain_prefill,
+    chain_window,
+    image_start,
+    live_windows,
+    plan_step,
+    prefill_ahead,
+)
 from skippy_stage.head.tasks import FINISH_LENGTH, FINISH_STOP, End, Failed, PromptLogprobs, Sampled, Task, Tokens
 from skippy_stage.head.windows import ChainTiming, Window, WindowDepth
 from skippy_stage.model.logprobs import TokenLogprob
@@ -198,7 +205,9 @@ class Scheduler:
                                          f"max_tokens={task.max_tokens} need {need} KV cells at once; this pipeline "
                                          f"holds kv_pool_tokens={self.limits.kv_pool_tokens}: lower n or max_tokens")
         task.forks = family[1:]
-        if task.forks and share_prompt and len(task.prompt) > 1:
+        # (not where the prompt's last row is inside an M-RoPE image: no copy keeps part of one)
+        if task.forks and share_prompt and len(task.prompt) > 1 \
+                and image_start(task, len(task.prompt) - 1) == len(task.prompt) - 1:
             task.hold_at = len(task.prompt) - 1
             for fork in task.forks:
                 fork.fork_from = task
@@ -300,7 +309,8 @@ class Scheduler:
             return  # (a prompt's logprobs need every prompt row computed; a schedule, every row fed)
         # A source of forks keeps at least the token before its hold to prefill: the step that carries
         # the prefix is never the one its forks copy it in.
-        match = self.prefixes.claim(task.prompt if task.hold_at is None else task.prompt[: task.hold_at])
+        match = self.prefixes.claim(task.prompt if task.hold_at is None else task.prompt[: task.hold_at],
+                                    fit=(lambda n: image_start(task, n)) if task.media else None)
         if match is None:
             self._on_prefix("miss", 0)
             return

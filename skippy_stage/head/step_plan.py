@@ -10,6 +10,7 @@ import numpy as np
 
 from skippy_stage.head.tasks import Task
 from skippy_stage.head.windows import Window
+from skippy_stage.model.mrope import ImageGrid
 from skippy_stage.model.projector import PLACEHOLDER_TOKEN
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, StepEntry
 
@@ -91,21 +92,34 @@ def media_cut(task: Task, start: int, n: int) -> int:
     return n
 
 
-def media_rows(task: Task, start: int, n: int) -> np.ndarray | None:
-    """The image rows at ``start .. start + n`` (a chunk ``media_cut`` made), or None for text."""
+def media_rows(task: Task, start: int, n: int) -> tuple[np.ndarray, ImageGrid | None] | None:
+    """The image rows at ``start .. start + n`` (a chunk ``media_cut`` made) and, for an M-RoPE image,
+    where they sit on its grid; None for text."""
     for span in task.media:
         if span.start <= start < span.end:
-            return span.rows[start - span.start : start - span.start + n]
+            grid = None if span.grid is None else ImageGrid(*span.grid, first_row=start - span.start)
+            return span.rows[start - span.start : start - span.start + n], grid
     return None
 
 
-def _tokens_and_rows(task: Task, feed: list[int], start: int, n: int) -> tuple[list[int], np.ndarray | None]:
+def image_start(task: Task, row: int) -> int:
+    """``row``, or where the M-RoPE image it falls strictly inside starts: such an image's rows share
+    one model position, so a session is never cut (a prefix kept, a fork copied) inside one."""
+    for span in task.media:
+        if span.grid is not None and span.start < row < span.end:
+            return span.start
+    return row
+
+
+def _tokens_and_rows(task: Task, feed: list[int], start: int,
+                     n: int) -> tuple[list[int], np.ndarray | None, ImageGrid | None]:
     """What an entry feeding ``feed[start:start + n]`` carries: the tokens, or for an image's rows the
-    rows and a placeholder token each (``feed`` holds the image's keys there, never token ids)."""
-    rows = media_rows(task, start, n)
-    if rows is None:
-        return feed[start : start + n], None
-    return [PLACEHOLDER_TOKEN] * n, rows
+    rows, a placeholder token each (``feed`` holds the image's keys there, never token ids) and the
+    grid they sit on where the image takes M-RoPE positions."""
+    found = media_rows(task, start, n)
+    if found is None:
+        return feed[start : start + n], None, None
+    return [PLACEHOLDER_TOKEN] * n, *found
 
 
 def _prefill_entry(task: Task, start: int, n: int, *, every_row: bool, prefix_id: str | None) -> StepEntry:
@@ -114,14 +128,14 @@ def _prefill_entry(task: Task, start: int, n: int, *, every_row: bool, prefix_id
     # After a recovery the next input token is already known: do not sample again.
     last = start + n == len(feed) and task.last_token is None
     in_prompt = task.prompt_logprobs is not None and start < len(task.prompt)
-    tokens, rows = _tokens_and_rows(task, feed, start, n)
+    tokens, rows, grid = _tokens_and_rows(task, feed, start, n)
     return StepEntry(session_id=task.session_id, phase=PHASE_PREFILL,
                      positions=range(start, start + n), token_ids=tokens,
                      sample_last=last, sampling=task.sampling, prefix_id=prefix_id,
                      top_logprobs=task.top_logprobs if last else None,
                      all_rows=every_row, prompt_logprobs=task.prompt_logprobs if in_prompt else None,
                      next_token=feed[start + n] if in_prompt and start + n < len(task.prompt) else None,
-                     draws_before=task.samples if last else 0, embd=rows)
+                     draws_before=task.samples if last else 0, embd=rows, image=grid)
 
 
 def prefill_ahead(task: Task, *, n_ubatch: int, chunks: int) -> bool:
@@ -194,9 +208,9 @@ def _fork_entries(source: Task, hold: int, budget: int, outputs: int, entries: l
     if len(family) > min(budget, outputs):
         return 0
     for member in family:
-        tokens, rows = _tokens_and_rows(member, member.prompt, hold, 1)
+        tokens, rows, grid = _tokens_and_rows(member, member.prompt, hold, 1)
         entries.append(StepEntry(session_id=member.session_id, phase=PHASE_PREFILL,
-                                 positions=range(hold, hold + 1), token_ids=tokens, embd=rows,
+                                 positions=range(hold, hold + 1), token_ids=tokens, embd=rows, image=grid,
                                  sample_last=True, sampling=member.sampling, top_logprobs=member.top_logprobs,
                                  all_rows=member.drafter is not None or member.top_logprobs is not None,
                                  fork_of=None if member is source else source.session_id))

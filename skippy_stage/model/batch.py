@@ -13,6 +13,7 @@ import numpy as np
 from skippy_stage.config import MAX_SESSION_ID_LEN, StageConfig
 from skippy_stage.errors import InvalidRequestError
 from skippy_stage.model.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from skippy_stage.model.mrope import ImageGrid, check_grid
 from skippy_stage.model.sampling import SamplingParams, validated_once
 
 
@@ -61,6 +62,8 @@ class BatchEntry:
     # Final stage, verify: a window sent before the session's previous step came back; sampled only if
     # its first token is the session's last sample at that position, else stale (nothing sampled).
     continues: bool = False
+    # An M-RoPE image's rows: the image's grid and this entry's first row in it (``mrope``).
+    image: ImageGrid | None = None
 
 
 # ``EntryResult.draft`` of a final stage that drafts, for a sample it has no draft for.
@@ -115,10 +118,10 @@ def _check_rows(h: object, n: int, n_embd: int, where: str) -> None:
 
 
 def check_batch(entries: Sequence[BatchEntry], config: StageConfig, *, n_vocab: int, n_embd: int,
-                cuttable: bool) -> list[CheckedEntry]:
+                cuttable: bool, mrope: bool = False) -> list[CheckedEntry]:
     """Every entry checked against the stage (``n_vocab``, ``n_embd`` wide hidden rows, ``cuttable``:
-    no recurrent layers), each refusal an InvalidRequestError naming the field. Pure: no llama.cpp,
-    no lane state."""
+    no recurrent layers, ``mrope``: M-RoPE positions, so images on a grid), each refusal an
+    InvalidRequestError naming the field. Pure: no llama.cpp, no lane state."""
     cfg = config
     if not entries:
         raise InvalidRequestError("entries is empty: a batch needs at least one entry")
@@ -169,8 +172,22 @@ def check_batch(entries: Sequence[BatchEntry], config: StageConfig, *, n_vocab: 
                     raise InvalidRequestError(f"{where}.hidden is not accepted at stage {cfg.stage_id} "
                                               f"(layer_start=0, no projector_path)")
                 _check_rows(e.hidden, n, n_embd, where)
+                if mrope and e.image is None:
+                    raise InvalidRequestError(f"{where}.hidden at stage {cfg.stage_id} needs its image grid (image "
+                                              f"rows take 2-D positions on this M-RoPE model)")
         else:
             _check_rows(e.hidden, n, n_embd, where)
+        if e.image is not None:
+            if not mrope:
+                raise InvalidRequestError(f"{where}.image: stage {cfg.stage_id}'s model has no M-RoPE positions, so "
+                                          f"no image grid")
+            check_grid(e.image, n, where)
+            if e.verify or e.rewind:
+                raise InvalidRequestError(f"{where}.image with {'verify' if e.verify else 'rewind'}: an image's rows "
+                                          f"are prompt, never drafts")
+            if cfg.include_embeddings and e.hidden is None:
+                raise InvalidRequestError(f"{where}.image at stage {cfg.stage_id} needs the image's rows (the head's "
+                                          f"projector's)")
         if e.prefix_id is not None and (not isinstance(e.prefix_id, str) or not e.prefix_id
                                         or len(e.prefix_id) > MAX_SESSION_ID_LEN):
             raise InvalidRequestError(f"{where}.prefix_id={e.prefix_id!r} must be 1..{MAX_SESSION_ID_LEN} characters")

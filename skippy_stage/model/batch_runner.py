@@ -27,6 +27,7 @@ from skippy_stage.model.compute_lock import ComputeLock
 from skippy_stage.model.digest import logit_digest
 from skippy_stage.model.lanes import Admission, LaneTable, SessionOwner
 from skippy_stage.model.logprobs import TokenLogprob, log_softmax, token_logprob
+from skippy_stage.model.mrope import MropeLanes
 from skippy_stage.model.mtp import CatchUp, MtpDrafter
 from skippy_stage.model.sampling import SamplerChain, SamplingParams
 from skippy_stage.model.ubatch import compute_order, in_batch_order
@@ -77,9 +78,13 @@ class BatchRunner:
     _out: np.ndarray
     _tokens: np.ndarray | None
     _embd: np.ndarray | None
-    # A head with a projector: a second batch over the same arrays, carrying image rows (``_media_embd``).
+    # A head with a projector: a second batch over the same arrays, carrying image rows (``_media_embd``);
+    # with its own four positions per row where they take M-RoPE positions (``_media_pos``).
     _media_batch: llama_cpp.llama_batch | None
     _media_embd: np.ndarray | None
+    _media_pos: np.ndarray | None
+    # An M-RoPE model: the images each lane's KV holds (``mrope``).
+    _mrope: MropeLanes | None
     # A final stage with native_mtp_enabled: the MTP context kept in step after every decode (``mtp``).
     _mtp: MtpDrafter | None
     # Per session: its sampler chain and the tokens at its positions (a resident prefix's kept apart).
@@ -96,7 +101,7 @@ class BatchRunner:
         """
         tracing.mark("rb0")
         checked = check_batch(entries, self.config, n_vocab=self.n_vocab, n_embd=self.n_embd,
-                              cuttable=self.cuttable)
+                              cuttable=self.cuttable, mrope=self._mrope is not None)
         if self._mtp is not None:
             for i, c in enumerate(checked):
                 if c.tokens is None:
@@ -117,12 +122,16 @@ class BatchRunner:
                 elif c.entry.fork_of is not None and c.entry.fork_of in self._history:
                     self._history[c.entry.session_id] = self._history[c.entry.fork_of][: int(c.positions[0])]
             try:
-                results = self._decode(checked, lanes)
+                sections = None if self._mrope is None else self._sections(checked, lanes)
+                results = self._decode(checked, lanes, sections)
             except BaseException:
                 self._rollback(checked, lanes, new)
                 raise
-            for c in checked:
+            for i, c in enumerate(checked):
                 self.lanes.advance(c.entry.session_id, c.n)
+                if c.entry.image is not None:
+                    self._mrope.fed(lanes[c.entry.session_id], int(c.positions[0]), c.entry.image,
+                                    int(sections[i][0, 0]))
         tracing.mark("rb1")
         return results
 
@@ -150,28 +159,42 @@ class BatchRunner:
         if history is not None:
             del history[keep + 1 :]  # position ``keep``'s token is fed again by this batch
 
-    def _decode(self, checked: list[CheckedEntry], lanes: dict[str, int]) -> list[EntryResult]:
+    def _sections(self, checked: list[CheckedEntry], lanes: dict[str, int]) -> list[np.ndarray | None] | None:
+        """An M-RoPE model's positions of every entry (4 x n, ``mrope``; None for one whose rows are its
+        positions), or None when every entry's are: checked against each lane's images before any
+        decode."""
+        sections = [self._mrope.sections(lanes[c.entry.session_id], int(c.positions[0]), c.n, c.entry.image,
+                                         f"entries[{i}]") for i, c in enumerate(checked)]
+        return None if all(s is None for s in sections) else sections
+
+    def _decode(self, checked: list[CheckedEntry], lanes: dict[str, int],
+                sections: list[np.ndarray | None] | None = None) -> list[EntryResult]:
         """One llama_decode; at a head with image rows among token entries, two (a llama_batch carries
         token ids or embedding rows, not both): the tokens', then the images'."""
         if self._media_batch is None or all(c.entry.hidden is None for c in checked):
-            return self._decode_group(checked, lanes, media=False)
+            return self._decode_group(checked, lanes, sections, media=False)
         results: list[EntryResult | None] = [None] * len(checked)
         for media in (False, True):
             group = [i for i, c in enumerate(checked) if (c.entry.hidden is not None) == media]
             if group:
-                for i, result in zip(group, self._decode_group([checked[i] for i in group], lanes, media=media)):
+                for i, result in zip(group, self._decode_group([checked[i] for i in group], lanes,
+                                                               None if sections is None else [sections[i] for i in group],
+                                                               media=media)):
                     results[i] = result
         return results  # type: ignore[return-value]
 
-    def _decode_group(self, checked: list[CheckedEntry], lanes: dict[str, int], *, media: bool) -> list[EntryResult]:
+    def _decode_group(self, checked: list[CheckedEntry], lanes: dict[str, int],
+                      sections: list[np.ndarray | None] | None, *, media: bool) -> list[EntryResult]:
         cfg = self.config
         order = sorted(range(len(checked)), key=lambda i: lanes[checked[i].entry.session_id])
         spans: dict[int, tuple[int, int]] = {}
+        # A head's image rows on an M-RoPE model take four positions each in a batch of their own.
+        pos = self._media_pos if media and self._media_pos is not None else self._pos
         offset = 0
         for i in order:
             c = checked[i]
             end = offset + c.n
-            self._pos[offset:end] = c.positions
+            pos[offset:end] = c.positions if sections is None or sections[i] is None else sections[i][0]
             self._seq[offset:end] = lanes[c.entry.session_id]
             if media:
                 self._media_embd[offset:end] = c.entry.hidden
@@ -188,9 +211,14 @@ class BatchRunner:
                 self._out[offset:end] = 1
             spans[i] = (offset, end)
             offset = end
-        if self._pos_sections == 4:
-            self._pos[offset : 3 * offset] = np.tile(self._pos[:offset], 2)
-            self._pos[3 * offset : 4 * offset] = 0
+        if self._pos_sections == 4 or pos is not self._pos:
+            pos[offset : 3 * offset] = np.tile(pos[:offset], 2)
+            pos[3 * offset : 4 * offset] = 0
+            for i in order if sections is not None else ():
+                if sections[i] is not None:
+                    first, last = spans[i]
+                    pos[offset + first : offset + last] = sections[i][1]
+                    pos[2 * offset + first : 2 * offset + last] = sections[i][2]
         if self._capture is not None:
             self._capture.reset()
 
@@ -393,10 +421,19 @@ class BatchRunner:
         return state
 
     def _rollback(self, checked: list[CheckedEntry], lanes: dict[str, int], new: list[str]) -> None:
-        """Remove whatever a failed decode may have written, so the session can retry."""
+        """Remove whatever a failed decode may have written, so the session can retry. A session fed
+        the slice of an M-RoPE image after the first loses the whole image (its rows share one model
+        position): it is cut back to the image's start."""
         for c in checked:
             if c.entry.session_id not in new:
-                llama_cpp.llama_memory_seq_rm(self._mem, lanes[c.entry.session_id], int(c.positions[0]), -1)
+                lane, start = lanes[c.entry.session_id], int(c.positions[0])
+                cut = start if self._mrope is None else self._mrope.model_position(lane, start)
+                if cut is None:
+                    keep = self._mrope.image_start(lane, start)
+                    self.lanes.trim(c.entry.session_id, keep)
+                    del self._history.get(c.entry.session_id, [])[keep:]
+                else:
+                    llama_cpp.llama_memory_seq_rm(self._mem, lane, cut, -1)
         self.lanes.release(new)
         for session_id in new:
             self._forget(session_id)

@@ -15,6 +15,7 @@ import numpy as np
 
 from skippy_stage.config import PeerConfig, StageConfig, chain_links
 from skippy_stage.model.batch import BatchEntry, EntryResult
+from skippy_stage.model.mrope import ImageGrid
 from skippy_stage.model.runtime import StageRuntime
 from skippy_stage.model.sampling import SamplingParams
 
@@ -54,6 +55,7 @@ class Step:
     draws_before: int = 0  # samples the session took before (a sampler built now skips their draws)
     all_rows: bool = False  # the final stage computes every row as an output (llama-cpp-python's logits_all)
     embd: np.ndarray | None = None  # an image's rows for the head to take in place of ``tokens`` (placeholders)
+    image: ImageGrid | None = None  # where ``embd``'s rows sit on an M-RoPE image's grid
 
 
 class Chain:
@@ -76,7 +78,7 @@ class Chain:
         """Run one batch through every stage; ``trace`` collects each inner stage's results."""
         entries = [
             BatchEntry(s.session_id, np.arange(s.start, s.start + len(s.tokens)), token_ids=list(s.tokens),
-                       hidden=s.embd, fork_of=s.fork_of)
+                       hidden=s.embd, fork_of=s.fork_of, image=s.image)
             for s in steps
         ]
         results: list[EntryResult] = []
@@ -84,14 +86,15 @@ class Chain:
             final = index == len(self.stages) - 1
             if index > 0:
                 entries = [
-                    BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=r.hidden, fork_of=e.fork_of)
+                    BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=r.hidden, fork_of=e.fork_of,
+                               image=e.image)
                     for e, r in zip(entries, results)
                 ]
             if final:
                 entries = [
                     BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=e.hidden,
                                want_logits=s.want_logits, sample=s.sample, sampling=s.sampling, fork_of=e.fork_of,
-                               draws_before=s.draws_before, all_rows=s.all_rows)
+                               draws_before=s.draws_before, all_rows=s.all_rows, image=e.image)
                     for e, s in zip(entries, steps)
                 ]
             results = stage.run_batch(entries)

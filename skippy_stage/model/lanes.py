@@ -450,8 +450,8 @@ class LaneTable:
             before = s.n_tokens
             if n_tokens < before and (self._trim is None or not self._try_trim(s.lane, n_tokens)):
                 raise InvalidRequestError(f"tokens={n_tokens} for session_id={session_id!r}: this model's state "
-                                          f"cannot be cut back there on {self.owner} (recurrent layers, or a "
-                                          f"sliding window already past that position)")
+                                          f"cannot be cut back there on {self.owner} (recurrent layers, a sliding "
+                                          f"window already past that position, or inside an image's rows)")
             s.n_tokens = n_tokens
             s.last_used = time.monotonic()
             return before

@@ -12,6 +12,11 @@ process, one without ``mm.2.weight`` or ``v.position_embd.weight`` segfaults. So
 is read with gguf-py first and refused, naming the key, before libmtmd opens it; and only
 projector types proven split-against-unsplit are accepted (``PROVEN_TYPES``): each type brings
 its own graph, positions and attention mask, and one not proven here is refused by name.
+
+Two kinds of images are taken: one row per position (llava's ``mlp``: a fixed count of rows), and
+Qwen2-VL's (``qwen2vl_merger``: as many rows as the image's size gives, on a 2-D grid that takes
+fewer positions than rows, M-RoPE). The second kind's spans carry their grid, which travels with
+the image's entries so every stage places the rows (``mrope``).
 """
 
 from __future__ import annotations
@@ -33,20 +38,39 @@ from skippy_stage.errors import ConfigError, InvalidFieldError
 
 log = structlog.get_logger("skippy_stage.projector")
 
-# Projector types whose images a split reproduces bit for bit (tests/head/test_images.py):
-# one row per position, causal attention, plain positions.
-PROVEN_TYPES = ("mlp",)
-# Projector types whose images take M-RoPE positions (Qwen2-VL and kin: libmtmd's PROJECTOR_TYPE_QWEN*VL).
-_MROPE_TYPES = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
+# Projector types whose images a split reproduces bit for bit (tests/head/test_images.py, test_images_mrope.py):
+# llava's (one row per position) and Qwen2-VL's (a grid of rows on M-RoPE positions).
+PROVEN_TYPES = ("mlp", "qwen2vl_merger")
+# Of those, the ones whose images take M-RoPE positions (``mrope``).
+MROPE_TYPES = ("qwen2vl_merger",)
+# Kin of Qwen2-VL refused, and why.
+_UNPROVEN = {
+    "qwen2.5vl_merger": "its tower's window attention is not proven here (its rows' positions would be Qwen2-VL's)",
+    "qwen3vl_merger": "its image rows carry deepstack features that the text model adds at later layers, which "
+                      "a head's hidden states do not pass down the chain",
+}
 # What libmtmd reads with gguf_get_val_u32 for these types (a key of another type aborts).
 _U32_KEYS = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
              "clip.vision.feed_forward_length", "clip.vision.block_count", "clip.vision.projection_dim",
              "clip.vision.attention.head_count")
-_REQUIRED_TENSORS = ("v.patch_embd.weight", "v.position_embd.weight", "mm.0.weight", "mm.2.weight")
+# Tensors libmtmd dereferences without looking (missing: a segfault), per type; per ViT block too.
+_REQUIRED_TENSORS = {
+    "mlp": ("v.patch_embd.weight", "v.position_embd.weight", "mm.0.weight", "mm.2.weight"),
+    "qwen2vl_merger": ("v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight", "mm.2.weight"),
+}
+_REQUIRED_BLOCK_TENSORS = {
+    "mlp": (),
+    "qwen2vl_merger": ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias", "attn_v.weight",
+                       "attn_v.bias", "attn_out.weight", "ffn_up.weight", "ffn_down.weight"),
+}
+# Tensors a type's graph asserts absent (present: an abort).
+_FORBIDDEN_TENSORS = {"mlp": (), "qwen2vl_merger": ("v.patch_embd.bias", "v.class_embd")}
 # An encoded image larger than this is refused before it is decoded (a decompression bomb
 # is caught by the pixel bound below, which the header gives before any pixel is decoded).
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 8192 * 8192
+# libmtmd's smallest Qwen2-VL image, in rows.
+_MIN_GRID_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,8 @@ class MediaSpan:
     digest: str  # sha256 of the image's bytes
     key: tuple[int, ...]
     encode_s: float = 0.0  # what encoding it took (libmtmd's tower and projection)
+    # An M-RoPE image's grid of rows (width, height), raster order; None where rows are positions.
+    grid: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -116,9 +142,8 @@ def check_projector_file(path: str | Path, n_embd: int) -> str:
     if value("clip.has_vision_encoder") is not True:
         raise ConfigError(f"{where}: clip.has_vision_encoder is not true: the head takes images only")
     kind = value("clip.projector_type")
-    if kind in _MROPE_TYPES:
-        raise ConfigError(f"{where}: clip.projector_type={kind!r}: its images take M-RoPE positions (2-D per row, "
-                          f"fewer positions than rows), which the stages below the head do not carry; accepted: "
+    if kind in _UNPROVEN:
+        raise ConfigError(f"{where}: clip.projector_type={kind!r} is not taken: {_UNPROVEN[kind]}; accepted: "
                           f"{', '.join(PROVEN_TYPES)}")
     if kind not in PROVEN_TYPES:
         raise ConfigError(f"{where}: clip.projector_type={kind!r} is not proven on a split head (accepted: "
@@ -135,12 +160,24 @@ def check_projector_file(path: str | Path, n_embd: int) -> str:
         if not isinstance(got, list) or len(got) < 3:
             raise ConfigError(f"{where}: {key} must be an array of 3 floats")
     names = {t.name: t for t in reader.tensors}
-    for name in _REQUIRED_TENSORS:
+    blocks = int(value("clip.vision.block_count"))
+    for name in (*_REQUIRED_TENSORS[kind],
+                 *(f"v.blk.{i}.{t}" for i in range(blocks) for t in _REQUIRED_BLOCK_TENSORS[kind])):
         if name not in names:
             raise ConfigError(f"{where}: tensor {name} is missing (libmtmd would crash reading it)")
-    if int(value("clip.vision.block_count")) < 2:
+    for name in _FORBIDDEN_TENSORS[kind]:
+        if name in names:
+            raise ConfigError(f"{where}: tensor {name} is present, which libmtmd's {kind} graph asserts absent (it "
+                              f"would abort the process)")
+    if kind == "mlp" and blocks < 2:
         raise ConfigError(f"{where}: clip.vision.block_count must be at least 2 for an mlp projector "
                           f"(llava skips the last block)")
+    if kind == "qwen2vl_merger":
+        width = int(value("clip.vision.embedding_length"))
+        merged = int(names["mm.0.weight"].shape[0]) if len(names["mm.0.weight"].shape) else 0
+        if merged != 4 * width:
+            raise ConfigError(f"{where}: tensor mm.0.weight takes rows {merged} wide, not 4 x "
+                              f"clip.vision.embedding_length={width} (2x2 patches merged); libmtmd would abort")
     out_width = int(names["mm.2.weight"].shape[-1]) if len(names["mm.2.weight"].shape) else 0
     dim = int(value("clip.vision.projection_dim"))
     if n_embd not in (dim, out_width):
@@ -180,28 +217,38 @@ class Projector:
         params.media_marker = self._marker_bytes
         params.image_min_tokens = -1 if min_tokens is None else min_tokens
         params.image_max_tokens = -1 if max_tokens is None else max_tokens
+        # Qwen2-VL's images: as many rows as the image's size (within the budget) on a grid of M-RoPE positions.
+        self.mrope = self.kind in MROPE_TYPES
+        if self.mrope and max_tokens is not None and max_tokens < _MIN_GRID_ROWS:
+            raise ConfigError(f"image_max_tokens={max_tokens}: a {self.kind} projector makes an image at least "
+                              f"{_MIN_GRID_ROWS} rows")
         self._ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
         if not self._ctx:
             raise ConfigError(f"projector_path={path}: libmtmd could not load it beside this model")
         self._lock = threading.Lock()
-        self.tokens_per_image = 0  # (the probe's own image is not bounded)
+        # Rows every image becomes (``mlp``), from a probe; 0 where the image's size decides (``mrope``).
+        self.tokens_per_image = 0
         try:
             if not mtmd.mtmd_support_vision(self._ctx):
                 raise ConfigError(f"projector_path={path} has no vision encoder")
-            if mtmd.mtmd_decode_use_mrope(self._ctx):
-                raise ConfigError(f"projector_path={path}: its images take M-RoPE positions, which the stages below "
-                                  f"the head do not carry")
-            self.tokens_per_image = self._probe()
-            if (min_tokens is not None and self.tokens_per_image < min_tokens) or \
-                    (max_tokens is not None and self.tokens_per_image > max_tokens):
+            if bool(mtmd.mtmd_decode_use_mrope(self._ctx)) != self.mrope:
+                raise ConfigError(f"projector_path={path}: a {self.kind} projector is for a text model "
+                                  f"{'with' if self.mrope else 'without'} M-RoPE positions; this model's are "
+                                  f"{'plain' if self.mrope else 'M-RoPE'}")
+            probe = self._probe()
+            if not self.mrope:
+                self.tokens_per_image = probe
+            if not self.mrope and ((min_tokens is not None and probe < min_tokens) or
+                                   (max_tokens is not None and probe > max_tokens)):
                 raise ConfigError(f"image_min_tokens={min_tokens}, image_max_tokens={max_tokens}: this {self.kind} "
-                                  f"projector makes every image {self.tokens_per_image} rows whatever its size")
+                                  f"projector makes every image {probe} rows whatever its size")
         except BaseException:
             self.close()
             raise
 
     def _probe(self) -> int:
-        """Rows one image becomes (a fixed-size projector's, found by encoding a small blank one)."""
+        """Rows a small blank image becomes (every image's, for a fixed-size projector): its encode proves
+        the projector runs beside this model."""
         encoded = self.prompt(self.marker, [_blank_ppm(8, 8)])
         return int(encoded.media[0].rows.shape[0])
 
@@ -215,7 +262,8 @@ class Projector:
         if markers != len(images):  # before any image is decoded
             raise InvalidFieldError("media", f"the prompt has {markers} media markers ({self.marker!r}) for "
                                              f"{len(images)} images: one marker per image")
-        if max_positions is not None and len(images) * self.tokens_per_image >= max_positions:
+        if max_positions is not None and self.tokens_per_image and \
+                len(images) * self.tokens_per_image >= max_positions:
             raise InvalidFieldError("media", f"{len(images)} images take {len(images) * self.tokens_per_image} "
                                              f"positions ({self.tokens_per_image} each); a session holds at most "
                                              f"{max_positions}")
@@ -231,12 +279,12 @@ class Projector:
                                                                f"this head decodes (PNG, JPEG, BMP, GIF, PPM)")
                     bitmaps.append(bitmap)
                     mtmd.mtmd_bitmap_set_id(bitmap, hashlib.sha256(data).hexdigest().encode())
-                return self._tokenize(text, bitmaps, add_special)
+                return self._tokenize(text, bitmaps, add_special, max_positions)
         finally:
             for bitmap in bitmaps:
                 mtmd.mtmd_bitmap_free(bitmap)
 
-    def _tokenize(self, text: str, bitmaps: list, add_special: bool) -> MediaPrompt:
+    def _tokenize(self, text: str, bitmaps: list, add_special: bool, max_positions: int | None) -> MediaPrompt:
         mtmd = self._mtmd
         markers = len(bitmaps)
         data = text.encode("utf-8")
@@ -249,24 +297,20 @@ class Projector:
             if rc != 0:
                 raise InvalidFieldError("media", f"libmtmd could not split the prompt at its {markers} media "
                                                  f"markers for {len(bitmaps)} images (code {rc})")
+            parts = [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
+            rows_in = [self._rows_of(chunk) for chunk in parts]
+            if max_positions is not None and sum(rows_in) >= max_positions:  # before any image is encoded
+                raise InvalidFieldError("media", f"the prompt and its {markers} images take {sum(rows_in)} "
+                                                 f"positions; a session holds at most {max_positions}")
             tokens: list[int] = []
             media: list[MediaSpan] = []
-            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-                kind = mtmd.mtmd_input_chunk_get_type(chunk)
-                if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            for chunk, n_rows in zip(parts, rows_in):
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
                     n = ctypes.c_size_t()
                     ptr = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                     tokens.extend(ptr[j] for j in range(n.value))
                     continue
-                if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                    raise InvalidFieldError("media", "only images are taken (no audio)")
-                n_rows = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-                if int(mtmd.mtmd_input_chunk_get_n_pos(chunk)) != n_rows or \
-                        mtmd.mtmd_decode_use_non_causal(self._ctx, chunk):
-                    # found by the probe at load: a projector of this kind never gets this far
-                    raise ConfigError("this projector's images take other positions than rows, or non-causal "
-                                      "attention, which the stages below the head do not carry")
+                grid = self._grid(chunk, n_rows)
                 started = time.perf_counter()
                 if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
                     raise InvalidFieldError(f"media[{len(media)}]", f"media[{len(media)}] could not be encoded")
@@ -276,12 +320,39 @@ class Projector:
                 if not np.isfinite(rows).all():
                     raise InvalidFieldError(f"media[{len(media)}]", f"media[{len(media)}] encodes to non-finite values")
                 digest = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
-                span = MediaSpan(len(tokens), rows, digest, media_keys(digest, n_rows), encode_s)
+                span = MediaSpan(len(tokens), rows, digest, media_keys(digest, n_rows), encode_s, grid)
                 media.append(span)
                 tokens.extend(span.key)
             return MediaPrompt(tokens, tuple(media))
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
+
+    def _rows_of(self, chunk: object) -> int:
+        """The rows (positions in the head's bookkeeping) a chunk takes; refuses audio."""
+        mtmd = self._mtmd
+        kind = mtmd.mtmd_input_chunk_get_type(chunk)
+        if kind not in (mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT, mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE):
+            raise InvalidFieldError("media", "only images are taken (no audio)")
+        return int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+
+    def _grid(self, chunk: object, n_rows: int) -> tuple[int, int] | None:
+        """An M-RoPE image's grid (width, height), None for one whose rows are its positions; refuses (as a
+        projector this head does not carry) what neither is."""
+        mtmd = self._mtmd
+        n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))
+        if mtmd.mtmd_decode_use_non_causal(self._ctx, chunk):
+            raise ConfigError(f"this {self.kind} projector's images take non-causal attention, which the stages "
+                              f"below the head do not carry")
+        if not self.mrope:
+            if n_pos != n_rows:
+                raise ConfigError(f"this {self.kind} projector's images take {n_pos} positions for {n_rows} rows")
+            return None
+        image = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+        nx, ny = int(mtmd.mtmd_image_tokens_get_nx(image)), int(mtmd.mtmd_image_tokens_get_ny(image))
+        if nx * ny != n_rows or n_pos != max(nx, ny):
+            raise ConfigError(f"this {self.kind} projector's image is {nx}x{ny} on {n_pos} positions for {n_rows} "
+                              f"rows, not a grid of max(width, height) positions")
+        return nx, ny
 
     def close(self) -> None:
         ctx, self._ctx = getattr(self, "_ctx", None), None

@@ -44,6 +44,7 @@ from skippy_stage.model.compute_lock import ComputeLock
 from skippy_stage.model.kv_page import KvPage, KvPageDesc
 from skippy_stage.model.lanes import LaneStats, LaneTable
 from skippy_stage.model.logprobs import TokenLogprob
+from skippy_stage.model.mrope import MropeLanes
 from skippy_stage.model.projector import Projector
 from skippy_stage.model.session_kv import SessionKv
 from skippy_stage.model.slicing import read_model_info
@@ -236,6 +237,9 @@ class StageRuntime(BatchRunner, SessionKv):
         the trunk's last hidden row (after the final norm) for every batch token (``mtp``)."""
         if not self.config.native_mtp_enabled:
             return None
+        if self._mrope is not None:
+            raise ConfigError(f"stage {self.config.stage_id}: native_mtp_enabled on a model with M-RoPE positions: "
+                              f"its MTP layers would not keep an image's 2-D positions")
         drafter = mtp.MtpDrafter(self._model, self.config, self.context_size.n_ctx, n_embd=self.n_embd,
                                  n_vocab=self.n_vocab)
         llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, False)  # unmasked: every row, by batch index
@@ -264,12 +268,15 @@ class StageRuntime(BatchRunner, SessionKv):
 
         M-RoPE models (Qwen2-VL and kin) read four positions per row from a batch of hidden
         states (section-major: t, h, w, extra), where a token batch gives one and llama.cpp
-        widens it as ``[p, p, p, 0]``; a stage fed hidden states must widen it the same way.
+        widens it as ``[p, p, p, 0]``; a stage fed hidden states must widen it the same way, and a
+        head's image rows take four of their own (``mrope``).
         """
         n, cfg = self.config.n_batch, self.config
         rope = int(llama_cpp.llama_model_rope_type(self._model))
-        self._pos_sections = (4 if rope in (llama_cpp.LLAMA_ROPE_TYPE_MROPE, llama_cpp.LLAMA_ROPE_TYPE_IMROPE)
-                              and not cfg.include_embeddings else 1)
+        is_mrope = rope in (llama_cpp.LLAMA_ROPE_TYPE_MROPE, llama_cpp.LLAMA_ROPE_TYPE_IMROPE)
+        # Where the images each lane's KV holds are, rows and model positions apart.
+        self._mrope = MropeLanes() if is_mrope else None
+        self._pos_sections = 4 if is_mrope and not cfg.include_embeddings else 1
         self._pos = np.zeros(n * self._pos_sections, dtype=np.int32)
         self._n_seq_id = np.ones(n, dtype=np.int32)
         self._seq = np.zeros(n, dtype=np.int32)
@@ -287,23 +294,27 @@ class StageRuntime(BatchRunner, SessionKv):
         b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
         b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
-        self._media_batch = self._media_embd = None
+        self._media_batch = self._media_embd = self._media_pos = None
         if cfg.include_embeddings and cfg.projector_path is not None:
             self._media_embd = np.zeros((n, self.n_embd), dtype=np.float32)
             m = llama_cpp.llama_batch()
             m.n_tokens, m.token, m.embd = 0, None, self._media_embd.ctypes.data_as(f32p)
             m.pos, m.n_seq_id, m.seq_id, m.logits = b.pos, b.n_seq_id, b.seq_id, b.logits
+            if is_mrope:  # image rows on a grid: four positions each
+                self._media_pos = np.zeros(4 * n, dtype=np.int32)
+                m.pos = self._media_pos.ctypes.data_as(i32p)
             self._media_batch = m
 
     def native_frame_args(self) -> dict[str, object] | None:
         """What a stage's native frame path (``skippy_stage.stage.native_frames``) works on: this
         runtime's context, batch buffers, capture, locks and session state, shared rather than
         copied (one owner). None where that path cannot run: a head that is the whole model, several
-        positions per row (M-RoPE), layer taps on the graph, a capture in Python, MTP layers to keep in
-        step after each decode (``native_mtp_enabled``)."""
+        positions per row (M-RoPE), a head whose images take M-RoPE positions (its rows are then not
+        its positions), layer taps on the graph, a capture in Python, MTP layers to keep in step after
+        each decode (``native_mtp_enabled``)."""
         cfg = self.config
         if (cfg.include_embeddings and cfg.include_output) or self._pos_sections != 1 or self._tap is not None \
-                or self._mtp is not None:
+                or self._mtp is not None or (self._mrope is not None and self._media_batch is not None):
             return None
         if not cfg.include_output and not isinstance(self._capture, NativeCapture):
             return None

@@ -27,6 +27,7 @@ from skippy_stage.errors import (
 )
 from skippy_stage.model.kv_page import KV_PAGE_VERSION, KvPage, KvPageDesc
 from skippy_stage.model.lanes import Admission, DropResult, LaneTable, SessionOwner
+from skippy_stage.model.mrope import MropeLanes
 from skippy_stage.model.slicing import MANIFEST_SUFFIX
 
 
@@ -46,6 +47,7 @@ class SessionKv:
     _ctx: llama_cpp.llama_context_p
     _mem: llama_cpp.llama_memory_t
     _swa_window: int
+    _mrope: MropeLanes | None  # an M-RoPE model: each lane's images (``mrope``)
     _digest: str | None
     # Kept by BatchRunner, which also supplies ``_forget``.
     _samplers: dict
@@ -53,16 +55,25 @@ class SessionKv:
     _resident_history: dict[str, list[int]]
 
     def _reset_lane(self, lane: int) -> bool:
+        if self._mrope is not None:
+            self._mrope.forget(lane)
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, -1, -1))
 
     def _trim_lane(self, lane: int, keep: int) -> bool:
         """Cut a lane back to ``keep`` tokens, or say it cannot be: a sliding-window cache (unless
         ``swa_full``) holds only the last window of positions, and the cells a cut leaves in front
-        of ``keep`` may be gone already, which llama.cpp's seq_rm would not report."""
+        of ``keep`` may be gone already, which llama.cpp's seq_rm would not report; and an M-RoPE
+        image's rows share one model position, so no cut falls strictly inside one."""
+        cut = keep if self._mrope is None else self._mrope.model_position(lane, keep)
+        if cut is None:
+            return False
         if self._swa_window and not self.config.swa_full:
-            if int(llama_cpp.llama_memory_seq_pos_min(self._mem, lane)) > max(0, keep - self._swa_window):
+            if int(llama_cpp.llama_memory_seq_pos_min(self._mem, lane)) > max(0, cut - self._swa_window):
                 return False
-        return bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, keep, -1))
+        ok = bool(llama_cpp.llama_memory_seq_rm(self._mem, lane, cut, -1))
+        if ok and self._mrope is not None:
+            self._mrope.cut(lane, keep)
+        return ok
 
     def _fork_lane(self, source: int, lane: int, keep: int) -> bool:
         """Copy a lane's first ``keep`` tokens' KV into an empty one. Across separate lanes (streams)
@@ -70,6 +81,9 @@ class SessionKv:
         does so before the next decode: so copy all, then cut the copy back."""
         held = int(llama_cpp.llama_memory_seq_pos_max(self._mem, source)) + 1
         llama_cpp.llama_memory_seq_cp(self._mem, source, lane, -1, -1)
+        if self._mrope is not None:
+            self._mrope.copy(source, lane)
+            return self._trim_lane(lane, keep)  # rows and positions apart: the cut knows where ``keep`` is
         return keep >= held or self._trim_lane(lane, keep)
 
     def model_digest(self) -> str:
@@ -108,6 +122,9 @@ class SessionKv:
             if tokens is not None and bound.n_tokens != tokens:
                 raise SessionStateError(f"session_id={session_id!r} holds {bound.n_tokens} tokens on stage "
                                         f"{self.config.stage_id}, not the wait_for_tokens={tokens} asked for")
+            if self._mrope is not None and self._mrope.holds_images(bound.lane):
+                raise SessionStateError(f"session_id={session_id!r} holds image rows with M-RoPE positions on stage "
+                                        f"{self.config.stage_id}, which a KV page does not carry")
             if batches is not None and not resident and bound.batches != batches:
                 raise SessionStateError(f"session_id={session_id!r} was fed {bound.batches} batches on stage "
                                         f"{self.config.stage_id}, not the wait_for_batches={batches} asked for")

@@ -17,6 +17,7 @@ import numpy as np
 from skippy_stage.config import MAX_LANES, MAX_SESSION_ID_LEN
 from skippy_stage.errors import InvalidRequestError
 from skippy_stage.model.lanes import LaneRow, LaneStats, ResidentRow
+from skippy_stage.model.mrope import ImageGrid
 from skippy_stage.model.runtime import KvPage, KvPageDesc, TokenLogprob
 from skippy_stage.model.sampling import RANDOM_SEED, SamplingParams
 from skippy_stage.stage import wire
@@ -175,6 +176,7 @@ def entry_from_pb(e: pb.BatchEntry) -> StepEntry:
         e.draws_before,
         e.digest_logits,
         e.continues,
+        ImageGrid(e.image.width, e.image.height, e.image.first_row) if e.HasField("image") else None,
     )
 
 
@@ -201,6 +203,8 @@ def entry_to_pb(e: StepEntry) -> pb.BatchEntry:
         msg.digest_logits = True
     if e.continues:
         msg.continues = True
+    if e.image is not None:
+        msg.image.width, msg.image.height, msg.image.first_row = e.image.width, e.image.height, e.image.first_row
     return msg
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from skippy_stage.errors import InvalidRequestError, RuntimeFailure
+from skippy_stage.model.mrope import ImageGrid
 from skippy_stage.model.runtime import BatchEntry, EntryResult, TokenLogprob
 from skippy_stage.model.sampling import SamplingParams, validated_once
 from skippy_stage.stage import wire
@@ -60,6 +61,8 @@ class StepEntry:
     digest_logits: bool = False  # final stage: a digest of each sampled logit row (a recorded schedule)
     # Final stage, verify: a window in flight behind the previous one; sampled only if it continues it.
     continues: bool = False
+    # An M-RoPE image's rows (every stage): the image's grid and this entry's first row in it.
+    image: ImageGrid | None = None
     # The head's own, never on the wire: an image's rows (float32, one per position) that its layers take
     # in place of the token embeddings; ``token_ids`` then hold placeholders.
     embd: np.ndarray | None = None
@@ -237,6 +240,7 @@ def runtime_entries(step: Step, shape: StageShape) -> list[BatchEntry]:
             e.draws_before if sampled else 0,
             e.digest_logits and sampled,
             e.continues and final,
+            e.image,
         ))
     return entries
 

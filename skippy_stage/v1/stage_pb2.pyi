@@ -81,7 +81,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_start: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
-    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows", "top_logprobs", "fork_of", "prompt_logprobs", "next_token", "draws_before", "digest_logits", "continues")
+    __slots__ = ("session_id", "phase", "positions", "token_ids", "sample_last", "want_logits", "sampling", "prefix_id", "rewind", "verify", "all_rows", "top_logprobs", "fork_of", "prompt_logprobs", "next_token", "draws_before", "digest_logits", "continues", "image")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class BatchEntry(_message.Message):
     DRAWS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_LOGITS_FIELD_NUMBER: _ClassVar[int]
     CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     phase: Phase
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -118,7 +119,18 @@ class BatchEntry(_message.Message):
     draws_before: int
     digest_logits: bool
     continues: bool
-    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fork_of: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., next_token: _Optional[int] = ..., draws_before: _Optional[int] = ..., digest_logits: _Optional[bool] = ..., continues: _Optional[bool] = ...) -> None: ...
+    image: ImageGrid
+    def __init__(self, session_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_last: _Optional[bool] = ..., want_logits: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefix_id: _Optional[str] = ..., rewind: _Optional[bool] = ..., verify: _Optional[bool] = ..., all_rows: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fork_of: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., next_token: _Optional[int] = ..., draws_before: _Optional[int] = ..., digest_logits: _Optional[bool] = ..., continues: _Optional[bool] = ..., image: _Optional[_Union[ImageGrid, _Mapping]] = ...) -> None: ...
+
+class ImageGrid(_message.Message):
+    __slots__ = ("width", "height", "first_row")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    first_row: int
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., first_row: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")

@@ -178,7 +178,7 @@ def head_config(smollm2, slice_cache, **fields) -> StageConfig:
 
 
 @pytest.mark.parametrize("case", ["int32 key", "no mm.2", "no position_embd", "another projector type",
-                                  "an M-RoPE projector"])
+                                  "a Qwen3-VL projector", "an M-RoPE projector beside a plain model"])
 def test_a_projector_libmtmd_would_crash_on_is_refused_by_name_before_libmtmd_opens_it(
         case, smollm2, slice_cache, projector, tmp_path):
     """A u32 key written as INT32 aborts libmtmd, a missing mm.2 or position_embd segfaults it: each is
@@ -198,9 +198,13 @@ def test_a_projector_libmtmd_would_crash_on_is_refused_by_name_before_libmtmd_op
         bad = rewrite(projector, tmp_path / "p.gguf",
                       key=("clip.projector_type", gguf_file.pack_value(GGUFValueType.STRING, "gemma3")))
         match = r"clip\.projector_type='gemma3' is not proven on a split head"
+    elif case == "a Qwen3-VL projector":
+        bad = rewrite(write_projector(smollm2, tmp_path / "q.gguf", seed=1, kind="qwen2vl").path, tmp_path / "p.gguf",
+                      key=("clip.projector_type", gguf_file.pack_value(GGUFValueType.STRING, "qwen3vl_merger")))
+        match = r"clip\.projector_type='qwen3vl_merger' is not taken: its image rows carry deepstack features"
     else:
         bad = write_projector(smollm2, tmp_path / "p.gguf", seed=1, kind="qwen2vl").path
-        match = r"clip\.projector_type='qwen2vl_merger': its images take M-RoPE positions"
+        match = r"a qwen2vl_merger projector is for a text model with M-RoPE positions; this model's are plain"
     with pytest.raises(ConfigError, match=match):
         StageRuntime(head_config(smollm2, slice_cache, projector_path=str(bad)))
 
