@@ -123,6 +123,10 @@ class BatchRunner:
                     self._history[c.entry.session_id] = self._history[c.entry.fork_of][: int(c.positions[0])]
             try:
                 sections = None if self._mrope is None else self._sections(checked, lanes)
+            except BaseException:  # nothing reached llama.cpp: only this batch's new bindings are undone
+                self._release_new(new)
+                raise
+            try:
                 results = self._decode(checked, lanes, sections)
             except BaseException:
                 self._rollback(checked, lanes, new)
@@ -434,6 +438,9 @@ class BatchRunner:
                     del self._history.get(c.entry.session_id, [])[keep:]
                 else:
                     llama_cpp.llama_memory_seq_rm(self._mem, lane, cut, -1)
+        self._release_new(new)
+
+    def _release_new(self, new: list[str]) -> None:
         self.lanes.release(new)
         for session_id in new:
             self._forget(session_id)

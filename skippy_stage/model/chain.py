@@ -56,6 +56,7 @@ class Step:
     all_rows: bool = False  # the final stage computes every row as an output (llama-cpp-python's logits_all)
     embd: np.ndarray | None = None  # an image's rows for the head to take in place of ``tokens`` (placeholders)
     image: ImageGrid | None = None  # where ``embd``'s rows sit on an M-RoPE image's grid
+    prefix_id: str | None = None  # a new session taking this resident prefix's first ``start`` tokens
 
 
 class Chain:
@@ -78,7 +79,7 @@ class Chain:
         """Run one batch through every stage; ``trace`` collects each inner stage's results."""
         entries = [
             BatchEntry(s.session_id, np.arange(s.start, s.start + len(s.tokens)), token_ids=list(s.tokens),
-                       hidden=s.embd, fork_of=s.fork_of, image=s.image)
+                       hidden=s.embd, fork_of=s.fork_of, image=s.image, prefix_id=s.prefix_id)
             for s in steps
         ]
         results: list[EntryResult] = []
@@ -87,14 +88,15 @@ class Chain:
             if index > 0:
                 entries = [
                     BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=r.hidden, fork_of=e.fork_of,
-                               image=e.image)
+                               image=e.image, prefix_id=e.prefix_id)
                     for e, r in zip(entries, results)
                 ]
             if final:
                 entries = [
                     BatchEntry(e.session_id, e.positions, token_ids=e.token_ids, hidden=e.hidden,
                                want_logits=s.want_logits, sample=s.sample, sampling=s.sampling, fork_of=e.fork_of,
-                               draws_before=s.draws_before, all_rows=s.all_rows, image=e.image)
+                               draws_before=s.draws_before, all_rows=s.all_rows, image=e.image,
+                               prefix_id=e.prefix_id)
                     for e, s in zip(entries, steps)
                 ]
             results = stage.run_batch(entries)

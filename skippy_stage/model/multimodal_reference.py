@@ -102,8 +102,9 @@ class MultimodalReference:
         marker = self.mtmd.mtmd_default_marker().decode()
         flat = [{**m, "content": "".join(p["text"] for p in self.handler._get_template_messages([m], marker)[0]["content"])}
                 if isinstance(m["content"], list) else m for m in chat]
-        eos = self.llm.detokenize([self.llm.token_eos()]).decode()
-        bos = self.llm.detokenize([self.llm.token_bos()]).decode()
+        # (-1 where the vocabulary has none: no text, as the head renders it)
+        eos, bos = (self.llm.detokenize([t]).decode() if t >= 0 else "" for t in (self.llm.token_eos(),
+                                                                                 self.llm.token_bos()))
         formatter = Jinja2ChatFormatter(template=self.llm.metadata["tokenizer.chat_template"], eos_token=eos,
                                         bos_token=bos)
         return formatter(messages=flat).prompt

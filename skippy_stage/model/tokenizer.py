@@ -54,6 +54,10 @@ class Tokenizer:
         return buf.value.decode("utf-8", errors="replace")
 
     def token_text(self, token: int) -> str:
+        """The token's text; "" for none (a vocabulary without BOS says -1, and llama.cpp's lookup of an id
+        outside the vocabulary throws through C, aborting the process)."""
+        if not 0 <= token < llama_cpp.llama_vocab_n_tokens(self._vocab):
+            return ""
         return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
 
     @property
