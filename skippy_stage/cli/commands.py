@@ -448,9 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the projector's GGUF file (replaced if it exists)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights: the same seed and model give the same bytes")
     p.add_argument("--kind", choices=("mlp", "qwen2vl"), default="mlp",
-                   help="mlp: llava-style, 16 rows an image, what a head takes today (default); qwen2vl: Qwen2-VL's "
-                        "merger, for an M-RoPE text model (rows and positions depend on the image's size; heads "
-                        "refuse it until M-RoPE images are carried down the chain)")
+                   help="mlp: llava-style, 16 rows an image (default); qwen2vl: Qwen2-VL's merger, for an M-RoPE "
+                        "text model (an image a grid of rows whose size the image decides)")
     p.set_defaults(func=cmd_make_projector)
 
     p = sub.add_parser("verify", help="prove a split of MODEL computes exactly what llama-cpp-python computes on "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -322,3 +323,34 @@ def test_generate_with_an_m_rope_image_in_the_prompt_gives_the_reference_tokens(
         replies = list(stub.Generate(request, timeout=120))
     _, _, tokens = head_reference.greedy(prompt, [IMAGES["80x48"]], MAX_TOKENS)
     assert [t for r in replies for t in r.token_ids] == tokens
+
+
+@pytest.mark.parametrize(("grid", "rows", "message"), [
+    ((0, 3, 0), 1, r"entries\[0\]\.image is 0x3: each side must be in \[1, 4096\]"),
+    ((5000, 1, 0), 1, r"entries\[0\]\.image is 5000x1: each side"),
+    ((4096, 4096, 0), 1, r"entries\[0\]\.image is 4096x4096 = 16777216 rows; at most 4096"),
+    ((5, 3, 14), 4, r"entries\[0\]\.image\.first_row=14 with 4 rows passes the image's 15 rows"),
+    ((5, 3, 3), 4, r"entries\[0\]\.image\.first_row=3: this session has no 5x3 image begun at row -3"),
+])
+def test_a_stage_refuses_a_hostile_image_grid_by_name_and_serves_on(api, grid, rows, message):
+    """An IterationBatch straight to an inner stage with a grid it cannot place: INVALID_ARGUMENT naming
+    the entry's field; no lane is held after it, and the stage answers the next call."""
+    from skippy_stage.stage import codec, wire
+
+    pipeline, _ = api
+    inner = str(pipeline.configs[1]["bind_addr"])
+    desc = wire.make_descriptor(dtype="f32", producer_stage_index=0, layer_start=0, layer_end=1, token_count=rows,
+                                sequence_count=1, width=256)
+    entry = stage_pb2.BatchEntry(session_id="hostile", positions=list(range(rows)), token_ids=[0] * rows)
+    entry.image.width, entry.image.height, entry.image.first_row = grid
+    request = stage_pb2.IterationBatchRequest(request_id="h", entries=[entry])
+    request.frame.descriptor.CopyFrom(codec.descriptor_to_pb(desc))
+    request.frame.payload = wire.encode(np.ones((rows, 256), dtype=np.float32), "f32")
+    with grpc.insecure_channel(inner) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.IterationBatch(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(message, refused.value.details()), refused.value.details()
+        status = stub.GetStatus(stage_pb2.GetStatusRequest(), timeout=30)
+    assert "hostile" not in [lane.session_id for lane in status.lanes if lane.state == "active"]

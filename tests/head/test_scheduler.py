@@ -16,6 +16,7 @@ import types
 import zlib
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from support.waiting import eventually
 
@@ -33,6 +34,8 @@ from skippy_stage.head.prefixes import PrefixCache
 from skippy_stage.head.scheduler import Scheduler, SchedulerLimits
 from skippy_stage.head.tasks import End, Failed, PromptLogprobs, Task, Tokens
 from skippy_stage.model.logprobs import TokenLogprob
+from skippy_stage.model.mrope import ImageGrid
+from skippy_stage.model.projector import MediaSpan, media_keys
 from skippy_stage.model.sampling import SamplingParams
 from skippy_stage.stage.steps import PHASE_DECODE, PHASE_PREFILL, Output, Outputs, Step, StepEntry
 
@@ -793,6 +796,23 @@ def test_a_prefix_the_head_stage_itself_no_longer_holds_restarts_only_that_sessi
 def family_layout(request: Step) -> list[tuple[str, list[int], str | None]]:
     return [(e.session_id, list(e.positions), e.fork_of) for e in request.entries]
 
+
+
+def test_choices_of_a_prompt_that_ends_inside_an_m_rope_image_each_prefill_it(make_scheduler):
+    """No copy keeps part of an M-RoPE image (its rows share one model position): choices of a prompt
+    whose last row is inside one do not fork, each prefills the prompt itself."""
+    chain = FakeChain()
+    scheduler = make_scheduler(chain)
+    rows = np.zeros((6, 4), dtype=np.float32)
+    span = MediaSpan(2, rows, "cd" * 32, media_keys("cd" * 32, 6), grid=(3, 2))
+    family = [Task(session_id=s, prompt=[10, 11, *span.key], sampling=SamplingParams(), max_tokens=2, media=(span,))
+              for s in "ab"]
+    scheduler.submit(family[0], family[1:])
+    for task in family:
+        assert outcome(task)[1] == End("length")
+    assert all(e.fork_of is None for r in chain.requests for e in r.entries)
+    images = [(e.session_id, list(e.positions), e.image) for r in chain.requests for e in r.entries if e.image]
+    assert sorted(images) == [("a", [2, 3, 4, 5, 6, 7], ImageGrid(3, 2)), ("b", [2, 3, 4, 5, 6, 7], ImageGrid(3, 2))]
 
 def test_forks_join_their_source_at_its_prompts_last_token_and_copy_the_rest(make_scheduler):
     """The source prefills all but the prompt's last token (no sample), then one step feeds that token

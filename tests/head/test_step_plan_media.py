@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from skippy_stage.head.step_plan import plan_step
+from skippy_stage.head.prefixes import PrefixCache
+from skippy_stage.head.step_plan import image_start, plan_step
 from skippy_stage.head.tasks import Task
+from skippy_stage.model.mrope import ImageGrid
 from skippy_stage.model.projector import PLACEHOLDER_TOKEN, MediaSpan, media_keys
 from skippy_stage.model.sampling import SamplingParams
 
 N_EMBD = 8
 
 
-def image_task(text_before: int, rows: int, text_after: int, *, session: str = "s") -> Task:
-    """A prompt of ``text_before`` tokens, an image of ``rows`` rows, then ``text_after`` tokens."""
+def image_task(text_before: int, rows: int, text_after: int, *, session: str = "s",
+               grid: tuple[int, int] | None = None) -> Task:
+    """A prompt of ``text_before`` tokens, an image of ``rows`` rows (on an M-RoPE ``grid``), then
+    ``text_after`` tokens."""
     image = np.arange(rows * N_EMBD, dtype=np.float32).reshape(rows, N_EMBD)
-    span = MediaSpan(text_before, image, "ab" * 32, media_keys("ab" * 32, rows))
+    span = MediaSpan(text_before, image, "ab" * 32, media_keys("ab" * 32, rows), grid=grid)
     prompt = [*range(10, 10 + text_before), *span.key, *range(100, 100 + text_after)]
     return Task(session_id=session, prompt=prompt, sampling=SamplingParams(), max_tokens=4, media=(span,))
 
@@ -78,3 +82,23 @@ def test_a_prompt_that_ends_in_an_image_forks_its_choices_on_the_image_last_row(
     for entry in entries:
         assert list(entry.positions) == [9] and list(entry.token_ids) == [PLACEHOLDER_TOKEN]
         assert np.array_equal(entry.embd, source.media[0].rows[-1:])
+
+
+def test_an_m_rope_image_s_slices_carry_its_grid_and_their_first_row_on_it():
+    task = image_task(3, 20, 2, grid=(5, 4))
+    entries = feed_all(task, n_ubatch=8)
+    assert [e.image for e in entries] == [None, ImageGrid(5, 4, 0), ImageGrid(5, 4, 8), ImageGrid(5, 4, 16), None]
+    assert all(e.image is None for e in feed_all(image_task(3, 20, 2), n_ubatch=8))  # an mlp image has no grid
+
+
+def test_a_resident_prefix_is_kept_only_up_to_an_m_rope_image_s_start_when_it_ends_inside_one():
+    """A cut strictly inside an M-RoPE image has no model position: a match that ends there keeps
+    what comes before the image (an mlp image's rows are positions: kept as matched)."""
+    mrope, plain = image_task(4, 6, 3, grid=(3, 2)), image_task(4, 6, 3)
+    assert [image_start(mrope, row) for row in (3, 4, 5, 9, 10)] == [3, 4, 4, 4, 10]
+    assert [image_start(plain, row) for row in (5, 9)] == [5, 9]
+    cache = PrefixCache(2)
+    cache.add("p", mrope.prompt[:7])  # a prefix that holds half the image
+    assert cache.claim(mrope.prompt, fit=lambda n: image_start(mrope, n)).reuse == 4
+    cache.add("q", plain.prompt[:7])
+    assert cache.claim(plain.prompt, fit=lambda n: image_start(plain, n)).reuse == 7
