@@ -180,6 +180,25 @@ def test_an_image_fed_in_slices_and_two_images_in_one_prompt_are_exact(qwen2vl, 
         chain.close()
 
 
+
+def test_the_image_token_budget_scales_an_m_rope_image_into_it(qwen2vl, merger, slice_cache):
+    """image_min_tokens/image_max_tokens reach libmtmd: the 200x120 image (104 rows by default) becomes
+    at most 16 rows, or at least 300, still a grid; a budget below libmtmd's smallest Qwen2-VL image is
+    refused at start naming the field."""
+    from skippy_stage.errors import ConfigError
+
+    head = split_configs(qwen2vl, SPLITS["0:2/2:6"], slice_cache, **SETTINGS)[0]
+    for fields, check in (({"image_max_tokens": 16}, lambda n: 8 <= n <= 16),
+                          ({"image_min_tokens": 300}, lambda n: n >= 300)):
+        runtime = StageRuntime(dataclasses.replace(head, projector_path=str(merger), **fields))
+        try:
+            (span,) = runtime.projector.prompt("<__media__>", [IMAGES["200x120"]]).media
+            assert check(span.rows.shape[0]) and span.rows.shape[0] == span.grid[0] * span.grid[1], (fields, span.grid)
+        finally:
+            runtime.close()
+    with pytest.raises(ConfigError, match=r"image_max_tokens=4: a qwen2vl_merger projector makes an image at least 8"):
+        StageRuntime(dataclasses.replace(head, projector_path=str(merger), image_max_tokens=4))
+
 def lanes_of(chain: Chain, session: str) -> list[int | None]:
     return [None if (bound := stage.lanes.lane_of(session)) is None else bound.n_tokens for stage in chain.stages]
 
