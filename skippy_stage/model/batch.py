@@ -182,6 +182,9 @@ def check_batch(entries: Sequence[BatchEntry], config: StageConfig, *, n_vocab: 
                 raise InvalidRequestError(f"{where}.image: stage {cfg.stage_id}'s model has no M-RoPE positions, so "
                                           f"no image grid")
             check_grid(e.image, n, where)
+            if not cuttable:
+                raise InvalidRequestError(f"{where}.image: stage {cfg.stage_id} holds a recurrent model, whose state "
+                                          f"cannot drop an image fed in part")
             if e.verify or e.rewind:
                 raise InvalidRequestError(f"{where}.image with {'verify' if e.verify else 'rewind'}: an image's rows "
                                           f"are prompt, never drafts")

@@ -141,11 +141,18 @@ class BatchRunner:
 
     def _check_rewind(self, index: int, session_id: str, keep: int) -> None:
         """Refuse a rewind behind a sliding window's oldest kept cell (the cells before ``keep``
-        that the session needs may be gone), naming the entry."""
+        that the session needs may be gone), or inside an M-RoPE image, naming the entry."""
         bound = self.lanes.lane_of(session_id)
-        if bound is None or keep >= bound.n_tokens or not self._swa_window or self.config.swa_full:
+        if bound is None or keep >= bound.n_tokens:
             return
-        if int(llama_cpp.llama_memory_seq_pos_min(self._mem, bound.lane)) > max(0, keep - self._swa_window):
+        cut = keep if self._mrope is None else self._mrope.model_position(bound.lane, keep)
+        if cut is None:
+            raise SessionStateError(f"entries[{index}].rewind to positions[0]={keep}: session_id={session_id!r} on "
+                                    f"stage {self.config.stage_id} holds an image's rows there (a cut inside one "
+                                    f"has no model position)")
+        if not self._swa_window or self.config.swa_full:
+            return
+        if int(llama_cpp.llama_memory_seq_pos_min(self._mem, bound.lane)) > max(0, cut - self._swa_window):
             raise SessionStateError(f"entries[{index}].rewind to positions[0]={keep}: session_id={session_id!r} on "
                                     f"stage {self.config.stage_id} no longer holds the sliding window's cells "
                                     f"before it (set swa_full: true to speculate this far back)")
@@ -428,17 +435,34 @@ class BatchRunner:
         """Remove whatever a failed decode may have written, so the session can retry. A session fed
         the slice of an M-RoPE image after the first loses the whole image (its rows share one model
         position): it is cut back to the image's start."""
-        for c in checked:
-            if c.entry.session_id not in new:
-                lane, start = lanes[c.entry.session_id], int(c.positions[0])
-                cut = start if self._mrope is None else self._mrope.model_position(lane, start)
-                if cut is None:
-                    keep = self._mrope.image_start(lane, start)
-                    self.lanes.trim(c.entry.session_id, keep)
-                    del self._history.get(c.entry.session_id, [])[keep:]
-                else:
-                    llama_cpp.llama_memory_seq_rm(self._mem, lane, cut, -1)
-        self._release_new(new)
+        try:
+            for c in checked:
+                if c.entry.session_id not in new:
+                    lane, start = lanes[c.entry.session_id], int(c.positions[0])
+                    cut = start if self._mrope is None else self._mrope.model_position(lane, start)
+                    if cut is None:
+                        self._cut_to_image_start(c.entry.session_id, lane, start)
+                    else:
+                        llama_cpp.llama_memory_seq_rm(self._mem, lane, cut, -1)
+        finally:
+            self._release_new(new)
+
+    def _cut_to_image_start(self, session_id: str, lane: int, start: int) -> None:
+        """After a failed decode of an image's later slice: the session without the image (its earlier
+        slices share the failed rows' model position), or without its lane where it cannot be cut."""
+        keep = self._mrope.image_start(lane, start)
+        try:
+            self.lanes.trim(session_id, keep)
+        except Exception:  # noqa: BLE001 - the decode's own error is what the caller hears
+            self.log.warning("session dropped: its image could not be cut away after a failed decode",
+                             session_id=session_id)
+            self.lanes.drop(session_id)
+            self._forget(session_id)
+            return
+        del self._history.get(session_id, [])[keep:]
+        state = self._samplers.pop(session_id, None)  # rebuilt from the cut history when next used
+        if state is not None:
+            state.chain.close()
 
     def _release_new(self, new: list[str]) -> None:
         self.lanes.release(new)

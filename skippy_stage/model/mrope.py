@@ -23,7 +23,8 @@ import numpy as np
 
 from skippy_stage.errors import InvalidRequestError
 
-# The largest grid side an entry may name: 4096 rows is libmtmd's own cap on an image's rows.
+# The most rows an image entry may name (libmtmd's default cap on a Qwen2-VL image; a head's
+# image_max_tokens may not pass it), and the longest side.
 MAX_GRID_SIDE = 4096
 MAX_GRID_ROWS = 4096
 

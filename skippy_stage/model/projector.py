@@ -35,6 +35,7 @@ from gguf import GGUFReader, GGUFValueType
 from llama_cpp import _logger as llama_logger
 
 from skippy_stage.errors import ConfigError, InvalidFieldError
+from skippy_stage.model.mrope import MAX_GRID_ROWS
 
 log = structlog.get_logger("skippy_stage.projector")
 
@@ -222,6 +223,9 @@ class Projector:
         if self.mrope and max_tokens is not None and max_tokens < _MIN_GRID_ROWS:
             raise ConfigError(f"image_max_tokens={max_tokens}: a {self.kind} projector makes an image at least "
                               f"{_MIN_GRID_ROWS} rows")
+        for name, value in (("image_min_tokens", min_tokens), ("image_max_tokens", max_tokens)):
+            if self.mrope and value is not None and value > MAX_GRID_ROWS:
+                raise ConfigError(f"{name}={value}: an image's grid on the wire holds at most {MAX_GRID_ROWS} rows")
         self._ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
         if not self._ctx:
             raise ConfigError(f"projector_path={path}: libmtmd could not load it beside this model")

@@ -252,9 +252,9 @@ def test_a_session_is_cut_forked_and_kept_as_a_prefix_only_outside_its_images(qw
 
 
 def test_image_entries_that_do_not_fit_the_session_are_refused_and_nothing_leaks(qwen2vl, merger, slice_cache):
-    """A slice naming an image the session never began, text inside an unfinished image, a grid whose
-    rows the entry passes, an image on a model without M-RoPE positions: INVALID_ARGUMENT naming the
-    entry, and the lanes hold what they held."""
+    """A slice naming an image the session never began, a grid whose rows the entry passes, a rewind
+    into an image, text inside an unfinished image: refused naming the entry, and the lanes hold what
+    they held. A session with images is not exported as a KV page (its 2-D positions would be lost)."""
     chain = chain_of(qwen2vl, merger, "0:2/2:6", slice_cache)
     try:
         encoded, _ = prefill(chain, "s", "tok_1 <__media__> tok_2", [IMAGES["80x48"]])
@@ -265,6 +265,13 @@ def test_image_entries_that_do_not_fit_the_session_are_refused_and_nothing_leaks
             chain.step([Step("s", n, [PLACEHOLDER_TOKEN] * 4, embd=rows[3:7], image=ImageGrid(5, 3, 3))])
         with pytest.raises(InvalidRequestError, match=r"entries\[0\]\.image\.first_row=12 with 4 rows passes"):
             chain.step([Step("s", n, [PLACEHOLDER_TOKEN] * 4, embd=rows[:4], image=ImageGrid(5, 3, 12))])
+        assert lanes_of(chain, "s") == held
+        inner = chain.stages[1]
+        inside = encoded.media[0].start + 2
+        with pytest.raises(SessionStateError, match=rf"entries\[0\]\.rewind to positions\[0\]={inside}: .* holds an "
+                                                    r"image's rows there"):
+            inner.run_batch([BatchEntry("s", np.arange(inside, inside + 2), token_ids=[1, 2], rewind=True,
+                                        hidden=np.zeros((2, inner.n_embd), dtype=np.float32))])
         assert lanes_of(chain, "s") == held
         chain.step([Step("t", 0, [PLACEHOLDER_TOKEN] * 4, embd=rows[:4], image=ImageGrid(5, 3))])
         with pytest.raises(InvalidRequestError, match=r"entries\[0\] starts at row 4, inside the image at rows "
@@ -373,3 +380,17 @@ def test_a_stage_refuses_a_hostile_image_grid_by_name_and_serves_on(api, grid, r
         assert re.search(message, refused.value.details()), refused.value.details()
         status = stub.GetStatus(stage_pb2.GetStatusRequest(), timeout=30)
     assert "hostile" not in [lane.session_id for lane in status.lanes if lane.state == "active"]
+
+
+def test_an_image_grid_is_refused_on_a_recurrent_m_rope_model(slice_cache, tmp_path):
+    """Qwen3.5 takes M-RoPE positions but keeps a recurrent state, which cannot drop an image fed in
+    part: an image entry is refused naming the field, and no lane is held."""
+    model = synthetic.write_model(synthetic.load_specs(ARCHS)["qwen35-dense"], tmp_path / "qwen35.gguf", seed=3)
+    runtime = StageRuntime(split_configs(model, [(0, 2), (2, 6)], slice_cache, **SETTINGS)[1])
+    try:
+        hidden = np.zeros((2, runtime.n_embd), dtype=np.float32)
+        with pytest.raises(InvalidRequestError, match=r"entries\[0\]\.image: stage stage-1 holds a recurrent model"):
+            runtime.run_batch([BatchEntry("s", np.arange(2), token_ids=[0, 0], hidden=hidden, image=ImageGrid(2, 1))])
+        assert runtime.lanes.lane_of("s") is None
+    finally:
+        runtime.close()
