@@ -312,6 +312,36 @@ def test_a_prefix_with_an_image_is_kept_and_reused_only_for_the_same_image(api, 
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] <= image_start
 
 
+
+def test_the_responses_api_takes_input_image_parts_and_keeps_them_for_the_next_turn(api):
+    """input_image parts answer what the chat API's image_url parts answer; a turn that continues the
+    stored response (previous_response_id) reads the image again, as the whole history sent to the
+    chat API does; a bad image names the input part."""
+    _, base = api
+    parts = [{"type": "input_text", "text": "What is in this picture? "},
+             {"type": "input_image", "image_url": data_url(IMAGES["80x48"]), "detail": "auto"},
+             {"type": "input_text", "text": " Describe it."}]
+    first = post_to(f"{base}/responses", {"input": [{"role": "user", "content": parts}], "temperature": 0,
+                                          "max_output_tokens": MAX_TOKENS})
+    chat = post(base, {"messages": CHAT, "temperature": 0, "max_tokens": MAX_TOKENS})
+    answer = chat["choices"][0]["message"]["content"]
+    assert first["output"][0]["content"][0]["text"] == answer
+    assert first["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    follow = "Now name its colours."
+    second = post_to(f"{base}/responses", {"previous_response_id": first["id"], "input": follow, "temperature": 0,
+                                           "max_output_tokens": MAX_TOKENS})
+    whole = post(base, {"messages": [*CHAT, {"role": "assistant", "content": answer},
+                                     {"role": "user", "content": follow}], "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert second["output"][0]["content"][0]["text"] == whole["choices"][0]["message"]["content"]
+    assert second["usage"]["input_tokens"] == whole["usage"]["prompt_tokens"]
+    noise = [{"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                          {"type": "input_image", "image_url": data_url(b"\x89PNG\r\n\x1a\n" + bytes(40))}]}]
+    try:
+        post_to(f"{base}/responses", {"previous_response_id": first["id"], "input": noise, "max_output_tokens": 2})
+    except urllib.error.HTTPError as exc:
+        status, error = exc.code, json.loads(exc.read())["error"]
+    assert status == 400 and error["param"] == "input[0].content[1].image_url", error
+
 def test_generate_takes_images_as_media_bytes(api, head_reference):
     """gRPC Generate: a prompt with the marker and the image's bytes answers the reference's text."""
     pipeline, _ = api

@@ -329,7 +329,11 @@ FN = {"type": "function", "name": "f", "parameters": {"type": "object", "propert
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                              {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
-     "input[0].content[1].type"),
+     "input[0].content[1].image_url"),  # (a head without a projector, or media_url_fetch off)
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),

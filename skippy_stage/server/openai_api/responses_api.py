@@ -40,10 +40,10 @@ from starlette.responses import JSONResponse, Response
 from skippy_stage.errors import InvalidFieldError, SkippyError
 from skippy_stage.head.generator import Finish, Piece
 from skippy_stage.head.tasks import FINISH_LENGTH
-from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator
+from skippy_stage.server.openai_api.endpoint import _model_id, _ready_generator, name_image_fields
 from skippy_stage.server.openai_api.generation import _Generation, _Live, begin, read_whole, sse_response
 from skippy_stage.server.openai_api.http_errors import CountedEndpoint, _error_body, error_response, http_error_for
-from skippy_stage.server.openai_api.request import _read_json
+from skippy_stage.server.openai_api.request import _read_json, fetch_images
 from skippy_stage.server.openai_api.responses_request import (
     ResponsesRequest,
     parse_responses_request,
@@ -74,8 +74,18 @@ class StoredResponse:
     chars: int  # the conversation's text, for the store's budget
 
 
-def conversation_chars(items: tuple[dict[str, str], ...]) -> int:
-    return sum(len(value) for item in items for value in item.values())
+def conversation_chars(items: tuple[dict[str, Any], ...]) -> int:
+    """What a conversation holds: its strings' characters (an image's URL counted whole)."""
+    def chars(value: object) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, dict):
+            return sum(chars(v) for v in value.values())
+        if isinstance(value, list):
+            return sum(chars(v) for v in value)
+        return 0
+
+    return sum(chars(item) for item in items)
 
 
 class ResponseStore:
@@ -271,6 +281,7 @@ class ResponsesEndpoint(CountedEndpoint):
 
     async def create(self, request: Request) -> Response:
         started = time.perf_counter()
+        chat = None
         try:
             parsed = parse_responses_request(await _read_json(request))
             history: tuple[dict[str, str], ...] = ()
@@ -283,18 +294,20 @@ class ResponsesEndpoint(CountedEndpoint):
             conversation = history + parsed.items
             chat, tools = parsed.chat(conversation)
             generator = await asyncio.to_thread(_ready_generator, self.servicer)
+            media = await asyncio.to_thread(fetch_images, chat.images, allow_urls=generator.stage.config.media_url_fetch) \
+                if chat.images else ()
             with responses_names():
-                spec = chat.spec(generator.max_context, generator.runtime.session_limit_hint)
+                spec = chat.spec(generator.max_context, generator.runtime.session_limit_hint, media)
                 if tools is not None:
                     spec = tools.render(spec, generator.runtime.tokenizer.metadata("tokenizer.chat_template"))
         except SkippyError as exc:
-            return self._refuse(exc)
+            return self._refuse(name_image_fields(exc, chat.images) if chat is not None else exc)
         response = self._skeleton(parsed, tools.parallel if tools is not None else bool(parsed.parallel_tool_calls))
         reader = tools.reader() if tools is not None and tools.reads_calls else None
         try:
             generation, watcher, first = await begin(generator, spec, self.live, request)
         except SkippyError as exc:
-            return self._refuse(exc)
+            return self._refuse(name_image_fields(exc, chat.images))
         if parsed.stream:
             return sse_response(self._stream(response, parsed, conversation, ResponseOutput(reader), generation,
                                              first, watcher, started))

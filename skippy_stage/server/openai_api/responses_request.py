@@ -14,12 +14,17 @@ A conversation is kept as *items*, plain dicts in one normal form, whatever shap
 them in (a string, an ``EasyInputMessage``, a message with ``input_text`` parts, an output item of
 an earlier response)::
 
-    {"type": "message", "role": "user" | "assistant" | "system" | "developer", "content": str}
+    {"type": "message", "role": "user" | "assistant" | "system" | "developer", "content": str | list}
     {"type": "function_call", "call_id": str, "name": str, "arguments": str}
     {"type": "function_call_output", "call_id": str, "output": str}
 
+A message with ``input_image`` parts keeps its content as chat's parts (``{"type": "text", ...}``,
+``{"type": "image_url", "image_url": url}``), so a stored conversation holds its images (as the URLs
+the client sent: a ``data:`` URL's bytes, an http(s) URL fetched again each turn) and every turn that
+continues it reads them again, as the whole history sent as ``input`` would.
+
 Every field the API knows and this server does not implement (``reasoning``, ``background``,
-built-in tools, image and file parts, ``include``, ``conversation``, ...) is refused by name unless
+built-in tools, file and audio parts, ``include``, ``conversation``, ...) is refused by name unless
 it holds its "not used" value; ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``
 and ``service_tier`` are accepted and change nothing (resident prefixes cache every prompt unasked).
 """
@@ -27,8 +32,9 @@ and ``service_tier`` are accepted and change nothing (resident prefixes cache ev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +74,8 @@ _CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 _OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
 _TEXT_PARTS = ("input_text", "output_text")
 _PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
+_IMAGE_KEYS = frozenset({"type", "image_url", "file_id", "detail"})
+_DETAILS = ("auto", "low", "high")
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 
 
@@ -101,7 +109,8 @@ class ResponsesRequest:
                 where = f"input[{i - (len(conversation) - len(self.items))}]"
                 raise InvalidFieldError(f"{where}.call_id", f"{where}.call_id={item['call_id']!r}: no "
                                                             f"function_call before it has that call_id")
-        body: dict[str, Any] = {"messages": chat_messages(conversation, self.instructions),
+        origins: list[int] = []
+        body: dict[str, Any] = {"messages": chat_messages(conversation, self.instructions, origins),
                                 "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
                                 "max_tokens": self.max_output_tokens, "parallel_tool_calls": self.parallel_tool_calls,
                                 "response_format": _response_format(self.text_format)}
@@ -114,18 +123,40 @@ class ResponsesRequest:
             choice = {"type": "function", "function": {"name": choice["name"]}}
         if choice is not None:
             body["tool_choice"] = choice
+        # A chat message's refusal (an image part's, say) names the input item it came from.
+        at_input = _input_names(origins, len(conversation) - len(self.items))
         with responses_names():
-            return parse_request(body, chat=True), parse_tools(body, chat=True)
+            try:
+                request = parse_request(body, chat=True)
+            except InvalidFieldError as exc:
+                raise InvalidFieldError(at_input(exc.param) if exc.param else None, at_input(str(exc))) from None
+            images = tuple(dataclasses.replace(image, where=at_input(image.where)) for image in request.images)
+            return dataclasses.replace(request, images=images), parse_tools(body, chat=True)
 
 
-def chat_messages(items: tuple[dict[str, str], ...], instructions: str | None) -> list[dict[str, Any]]:
+def _input_names(origins: list[int], history: int) -> Callable[[str], str]:
+    """``messages[k]`` in a text renamed for the item chat message k came from: ``input[i]``, or
+    ``previous_response_id`` for one of the stored conversation (``history`` items before the input)."""
+    def item(match: re.Match[str]) -> str:
+        k = int(match[1])
+        if k >= len(origins) or origins[k] < 0:
+            return match[0]
+        return f"input[{origins[k] - history}]" if origins[k] >= history else "previous_response_id"
+
+    return lambda text: re.sub(r"messages\[(\d+)\]", item, text)
+
+
+def chat_messages(items: tuple[dict[str, str], ...], instructions: str | None,
+                  origins: list[int] | None = None) -> list[dict[str, Any]]:
     """The conversation as chat messages: ``instructions`` a system turn first, a developer turn a
     system turn, each ``function_call`` an entry of an assistant turn's ``tool_calls`` (the turn
     before it when that is the assistant's: its text and the calls it made are one turn, and
     assistant text right after its calls joins its text, as chat's answer joins them), each
-    ``function_call_output`` a ``tool`` turn."""
+    ``function_call_output`` a ``tool`` turn. ``origins`` gets each message's item index (-1: the
+    instructions)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    for item in items:
+    found = [-1] * len(messages)
+    for index, item in enumerate(items):
         last = messages[-1] if messages else None
         if item["type"] == "message":
             role = "system" if item["role"] == "developer" else item["role"]
@@ -142,6 +173,9 @@ def chat_messages(items: tuple[dict[str, str], ...], instructions: str | None) -
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        found.extend([index] * (len(messages) - len(found)))
+    if origins is not None:
+        origins[:] = found
     return messages
 
 
@@ -216,27 +250,47 @@ def _no_other_keys(value: dict[str, Any], keys: frozenset[str], where: str) -> N
         raise InvalidFieldError(f"{where}.{other[0]}", f"{where}.{other[0]} is not supported by this server")
 
 
-def _text_parts(value: object, where: str) -> str:
-    """A string, or an array of ``input_text`` / ``output_text`` parts (joined)."""
+def _text_parts(value: object, where: str, *, images: bool = False) -> str | list[dict[str, Any]]:
+    """A string, or an array of ``input_text`` / ``output_text`` parts (joined); with ``images``,
+    ``input_image`` parts too, and then chat's parts in order (the images as ``image_url`` parts)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise InvalidFieldError(where, f"{where} must be a string or an array of input_text parts, got "
                                        f"{_json_kind(value)}")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(value):
         at = f"{where}[{j}]"
         if not isinstance(part, dict):
             raise InvalidFieldError(at, f"{at} must be a content part object, got {_json_kind(part)}")
         kind = part.get("type")
+        if kind == "input_image" and images:
+            parts.append({"type": "image_url", "image_url": _image_url(part, at)})
+            continue
         if kind not in _TEXT_PARTS:
-            raise InvalidFieldError(f"{at}.type", f"{at}.type={_show(kind)}: only input_text and output_text parts "
-                                                  f"are supported by this server")
+            also = ", input_image" if images else ""
+            raise InvalidFieldError(f"{at}.type", f"{at}.type={_show(kind)}: only input_text{also} and output_text "
+                                                  f"parts are supported by this server")
         if part.get("annotations"):
             raise InvalidFieldError(f"{at}.annotations", f"{at}.annotations is not supported by this server")
         _no_other_keys(part, _PART_KEYS, at)
-        texts.append(_required_string(part, "text", at))
-    return "".join(texts)
+        parts.append({"type": "text", "text": _required_string(part, "text", at)})
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _image_url(part: dict[str, Any], where: str) -> str:
+    """An ``input_image`` part's URL (checked as an image by the chat path, where it is read)."""
+    _no_other_keys(part, _IMAGE_KEYS, where)
+    if part.get("file_id") is not None:
+        raise InvalidFieldError(f"{where}.file_id", f"{where}.file_id: uploaded files are not supported by this "
+                                                    f"server; send the image as image_url (a data: or http(s) URL)")
+    detail = part.get("detail")
+    if detail is not None and detail not in _DETAILS:
+        raise InvalidFieldError(f"{where}.detail", f"{where}.detail={_show(detail)} must be one of "
+                                                   f"{', '.join(_DETAILS)}")
+    return _required_string(part, "image_url", where)
 
 
 def _item(value: object, where: str) -> dict[str, str]:
@@ -249,7 +303,8 @@ def _item(value: object, where: str) -> dict[str, str]:
         role = value.get("role")
         if role not in ROLES:
             raise InvalidFieldError(f"{where}.role", f"{where}.role={_show(role)} must be one of {', '.join(ROLES)}")
-        return {"type": "message", "role": role, "content": _text_parts(value.get("content"), f"{where}.content")}
+        return {"type": "message", "role": role,
+                "content": _text_parts(value.get("content"), f"{where}.content", images=role != "assistant")}
     if kind == "function_call":
         _no_other_keys(value, _CALL_KEYS, where)
         return {"type": "function_call", "call_id": _required_string(value, "call_id", where),
