@@ -402,18 +402,20 @@ class StageConfig:
     """Head only: a multimodal projector (an mmproj GGUF) for this model. Prompts may then carry images
     (the OpenAI API's ``image_url`` parts, ``Generate``'s ``media``): libmtmd encodes them here and their
     rows enter the head's layers where the prompt puts them; the stages below see hidden states as for
-    any prompt. Only projector types proven against the unsplit model are accepted (``mlp``);
-    ``skippy-stage make-projector`` writes a random-weight one to smoke-test a deployment."""
+    any prompt (and a Qwen2-VL image's grid, for its M-RoPE positions). Only projector types proven
+    against the unsplit model are accepted (``mlp``, ``qwen2vl_merger``); ``skippy-stage make-projector``
+    writes a random-weight one to smoke-test a deployment."""
     projector_use_gpu: bool | None = None
     """Run the projector on a GPU. This build is CPU only: unset or false."""
     media_marker: str | None = None
     """The text that stands for an image in a prompt (one per image, in order); unset: libmtmd's
     ``<__media__>``. The OpenAI API puts it where a message has an ``image_url`` part."""
     image_min_tokens: int | None = None
-    """Fewest rows an image may become (projectors of dynamic resolution; a fixed-size projector whose
-    images fall outside ``image_min_tokens..image_max_tokens`` is refused at start)."""
+    """Fewest rows an image may become: libmtmd scales a Qwen2-VL image into
+    ``image_min_tokens..image_max_tokens`` (at most 4096); a fixed-size (``mlp``) projector whose images
+    fall outside it is refused at start."""
     image_max_tokens: int | None = None
-    """Most rows an image may become (see ``image_min_tokens``)."""
+    """Most rows an image may become (see ``image_min_tokens``; a Qwen2-VL image is at least 8)."""
     media_url_fetch: bool = False
     """Head: fetch ``http(s)`` image URLs of the OpenAI API's ``image_url`` parts (at most 20 MB each,
     10 s). Off: only ``data:`` URLs, so a client cannot make the head reach other hosts."""
