@@ -272,6 +272,13 @@ def test_the_heads_step_sends_the_python_paths_rows_under_the_key_its_wait_is_re
             head.drop_session(session)
 
 
+def corrupt_sampling(frame: bytes) -> bytes:
+    """``frame`` with its sampling's grammar made invalid UTF-8 (the same length: every length around it
+    still holds), which protobuf refuses to parse."""
+    at = frame.index(b"root ::= x")
+    return frame[:at] + b"\xff" + frame[at + 1 :]
+
+
 def test_head_steps_it_cannot_prove_plain_are_declined_and_touch_nothing(chain3, head_path, link):
     head = chain3.stages[0]
     tokens = head.tokenizer.tokenize(PROMPT)
@@ -288,7 +295,12 @@ def test_head_steps_it_cannot_prove_plain_are_declined_and_touch_nothing(chain3,
             "a session the head does not hold": head_step("ghost", pos, 7),
             "a rewind": head_step("s", pos, 7, rewind=True),
             "invalid sampling": head_step("s", pos, 7, sampling=pb.SamplingParams(temperature=-1.0)),
+            # an entry that samples nothing still carries its sampling on: it must parse
+            "undecodable sampling on an entry that does not sample": corrupt_sampling(
+                head_step("s", pos, 7, sample_last=False, sampling=pb.SamplingParams(grammar="root ::= x"))),
         }
+        with pytest.raises(Exception, match="Error parsing message"):
+            pb.HopRequest.FromString(declined["undecodable sampling on an entry that does not sample"])
         for why, frame in declined.items():
             assert head_path.run(frame, link.ours, link.lock, None) is None, why
         assert head.lanes.lane_of("s").n_tokens == pos

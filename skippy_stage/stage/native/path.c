@@ -150,10 +150,12 @@ PyObject *sk_run_frame(FramePath *self, frame_t *fr, PyObject *sock, PyObject *s
     for (int j = 0; j < fr->n; j++) {
         entry_t *e = &fr->entries[j];
         if (e->n_tok && (e->token < 0 || e->token >= self->n_vocab)) goto decline;
-        if (e->sample_last) { /* checked wherever it rides; only the final stage samples */
+        /* Checked wherever it rides (an entry that does not sample still carries it on, so it must at
+         * least parse: the Python path parses the whole frame); only the final stage samples. */
+        if (e->sample_last || e->sampling != NULL) {
             int kind = sampling_kind(self, e);
             if (kind < 0) goto fail;
-            if (kind < (self->final ? 2 : 1)) goto decline;
+            if (kind < (self->final && e->sample_last ? 2 : 1)) goto decline;
         }
         e->sid_obj = PyUnicode_FromStringAndSize((const char *)e->sid, (Py_ssize_t)e->sid_len);
         if (e->sid_obj == NULL) goto fail;
