@@ -284,11 +284,24 @@ def test_image_entries_that_do_not_fit_the_session_are_refused_and_nothing_leaks
         chain.close()
 
 
-def test_an_image_grid_is_refused_on_a_model_without_m_rope_positions(smollm2, slice_cache):
-    runtime = StageRuntime(split_configs(smollm2, [(0, 10), (10, 30)], slice_cache, **SETTINGS)[1])
+@pytest.mark.parametrize(("model", "message"), [
+    ("smollm2", r"entries\[0\]\.image: stage stage-1's model has no M-RoPE"),
+    # Qwen3.5 takes M-RoPE positions but keeps a recurrent state, which cannot drop an image fed in part.
+    ("qwen35", r"entries\[0\]\.image: stage stage-1 holds a recurrent model"),
+])
+def test_an_image_grid_is_refused_where_no_image_can_be_placed_and_cut(model, message, request, slice_cache,
+                                                                       tmp_path):
+    """A model without M-RoPE positions, or with a recurrent state: an image entry is refused naming the
+    field, and no lane is held."""
+    if model == "smollm2":
+        path, ranges = request.getfixturevalue("smollm2"), [(0, 10), (10, 30)]
+    else:
+        spec = synthetic.load_specs(ARCHS)["qwen35-dense"]
+        path, ranges = synthetic.write_model(spec, tmp_path / "qwen35.gguf", seed=3), [(0, 2), (2, 6)]
+    runtime = StageRuntime(split_configs(path, ranges, slice_cache, **SETTINGS)[1])
     try:
         hidden = np.zeros((2, runtime.n_embd), dtype=np.float32)
-        with pytest.raises(InvalidRequestError, match=r"entries\[0\]\.image: stage stage-1's model has no M-RoPE"):
+        with pytest.raises(InvalidRequestError, match=message):
             runtime.run_batch([BatchEntry("s", np.arange(2), token_ids=[0, 0], hidden=hidden, image=ImageGrid(2, 1))])
         assert runtime.lanes.lane_of("s") is None
     finally:
@@ -381,16 +394,3 @@ def test_a_stage_refuses_a_hostile_image_grid_by_name_and_serves_on(api, grid, r
         status = stub.GetStatus(stage_pb2.GetStatusRequest(), timeout=30)
     assert "hostile" not in [lane.session_id for lane in status.lanes if lane.state == "active"]
 
-
-def test_an_image_grid_is_refused_on_a_recurrent_m_rope_model(slice_cache, tmp_path):
-    """Qwen3.5 takes M-RoPE positions but keeps a recurrent state, which cannot drop an image fed in
-    part: an image entry is refused naming the field, and no lane is held."""
-    model = synthetic.write_model(synthetic.load_specs(ARCHS)["qwen35-dense"], tmp_path / "qwen35.gguf", seed=3)
-    runtime = StageRuntime(split_configs(model, [(0, 2), (2, 6)], slice_cache, **SETTINGS)[1])
-    try:
-        hidden = np.zeros((2, runtime.n_embd), dtype=np.float32)
-        with pytest.raises(InvalidRequestError, match=r"entries\[0\]\.image: stage stage-1 holds a recurrent model"):
-            runtime.run_batch([BatchEntry("s", np.arange(2), token_ids=[0, 0], hidden=hidden, image=ImageGrid(2, 1))])
-        assert runtime.lanes.lane_of("s") is None
-    finally:
-        runtime.close()
