@@ -31,3 +31,5 @@ class KvPage:
     descriptor: KvPageDesc
     data: bytes
     token_ids: tuple[int, ...] = ()
+    # The M-RoPE images it holds: (the row each starts at, its grid's width, height), in order (``mrope``).
+    images: tuple[tuple[int, int, int], ...] = ()

@@ -159,3 +159,30 @@ class MropeLanes:
 
     def forget(self, lane: int) -> None:
         self._images.pop(lane, None)
+
+    def layout(self, lane: int, n_rows: int) -> tuple[tuple[int, int, int], ...] | None:
+        """The images ``lane`` holds as (row, width, height) for a KV page of its ``n_rows`` rows; None
+        when the last one is not whole (a page would hold part of an image)."""
+        images = self._images.get(lane, ())
+        if images and images[-1].end > n_rows:
+            return None
+        return tuple((image.start, image.width, image.height) for image in images)
+
+    def restore(self, lane: int, layout: tuple[tuple[int, int, int], ...], n_rows: int, where: str) -> int:
+        """``lane`` holds the images of a KV page of ``n_rows`` rows; returns the model positions those
+        rows take. Refuses (naming ``where``) images that overlap, are out of order or pass the rows."""
+        images: list[_Image] = []
+        row_end = shift = 0
+        for i, (row, width, height) in enumerate(layout):
+            check_grid(ImageGrid(width, height), width * height, f"{where}[{i}]")
+            if row < row_end or row + width * height > n_rows:
+                raise InvalidRequestError(f"{where}[{i}] at row {row} ({width}x{height}) overlaps the image before "
+                                          f"it or passes the page's {n_rows} rows")
+            images.append(_Image(row, width, height, row - shift))
+            row_end = row + width * height
+            shift += width * height - max(width, height)
+        if images:
+            self._images[lane] = tuple(images)
+        else:
+            self._images.pop(lane, None)
+        return n_rows - shift

@@ -122,9 +122,11 @@ class SessionKv:
             if tokens is not None and bound.n_tokens != tokens:
                 raise SessionStateError(f"session_id={session_id!r} holds {bound.n_tokens} tokens on stage "
                                         f"{self.config.stage_id}, not the wait_for_tokens={tokens} asked for")
-            if self._mrope is not None and self._mrope.holds_images(bound.lane):
-                raise SessionStateError(f"session_id={session_id!r} holds image rows with M-RoPE positions on stage "
-                                        f"{self.config.stage_id}, which a KV page does not carry")
+            images = () if self._mrope is None else self._mrope.layout(bound.lane, bound.n_tokens)
+            if images is None:
+                raise SessionStateError(f"session_id={session_id!r} holds part of an image on stage "
+                                        f"{self.config.stage_id} (its rows share one model position): a KV page "
+                                        f"holds whole images")
             if batches is not None and not resident and bound.batches != batches:
                 raise SessionStateError(f"session_id={session_id!r} was fed {bound.batches} batches on stage "
                                         f"{self.config.stage_id}, not the wait_for_batches={batches} asked for")
@@ -146,7 +148,7 @@ class SessionKv:
         if release:
             self.log.info("session exported and released", session_id=session_id, lane=bound.lane,
                           tokens=bound.n_tokens, page_bytes=written)
-        return KvPage(self.page_descriptor(bound.n_tokens, bound.batches), bytes(buf)[:written], history)
+        return KvPage(self.page_descriptor(bound.n_tokens, bound.batches), bytes(buf)[:written], history, images)
 
     def import_session(self, session_id: str, page: KvPage, *, resident: bool = False) -> int:
         """Bind ``session_id`` to a lane holding ``page``'s KV; refuses a page cut from anything else,
@@ -176,16 +178,24 @@ class SessionKv:
         bad = [t for t in page.token_ids if not 0 <= t < self.n_vocab]
         if bad:
             raise InvalidRequestError(f"page.token_ids holds {bad[0]}, outside [0, {self.n_vocab})")
+        if page.images and self._mrope is None:
+            raise InvalidRequestError(f"page.images: stage {self.config.stage_id}'s model has no M-RoPE positions")
         with self._compute:
             if self.lanes.lane_of(session_id) is not None:
                 raise SessionStateError(f"session_id={session_id!r} is already bound on stage {self.config.stage_id}")
             lanes, new = self.lanes.admit([Admission(session_id, 0, got.n_tokens)])
             lane = lanes[session_id]
+            try:  # the rows after its images sit that much lower (``mrope``)
+                positions = got.n_tokens if self._mrope is None else self._mrope.restore(
+                    lane, page.images, got.n_tokens, "page.images")
+            except InvalidRequestError:
+                self.lanes.release(new)
+                raise
             buf = (ctypes.c_uint8 * len(page.data)).from_buffer_copy(page.data)
             read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(page.data), lane))
             # What llama.cpp restored must be exactly the page's tokens at positions 0..n-1.
             if (read != len(page.data) or int(llama_cpp.llama_memory_seq_pos_min(self._mem, lane)) != 0
-                    or int(llama_cpp.llama_memory_seq_pos_max(self._mem, lane)) != got.n_tokens - 1):
+                    or int(llama_cpp.llama_memory_seq_pos_max(self._mem, lane)) != positions - 1):
                 self.lanes.release(new)  # resets the lane
                 raise InvalidRequestError(f"page.data ({len(page.data)} bytes) is not a KV state of "
                                           f"page.descriptor.n_tokens={got.n_tokens} positions that llama.cpp "

@@ -421,10 +421,12 @@ def page_to_pb(page: KvPage) -> pb.KvPage:
         version=d.version, model_digest=d.model_digest, layer_start=d.layer_start, layer_end=d.layer_end,
         n_tokens=d.n_tokens, cache_type_k=d.cache_type_k, cache_type_v=d.cache_type_v, n_ctx=d.n_ctx,
         batches=d.batches),
-        data=page.data, token_ids=list(page.token_ids))
+        data=page.data, token_ids=list(page.token_ids),
+        images=[pb.KvImage(row=row, width=width, height=height) for row, width, height in page.images])
 
 
 def page_from_pb(msg: pb.KvPage) -> KvPage:
     d = msg.descriptor
     return KvPage(KvPageDesc(d.version, d.model_digest, d.layer_start, d.layer_end, d.n_tokens, d.cache_type_k,
-                             d.cache_type_v, d.n_ctx, d.batches), bytes(msg.data), tuple(msg.token_ids))
+                             d.cache_type_v, d.n_ctx, d.batches), bytes(msg.data), tuple(msg.token_ids),
+                  tuple((i.row, i.width, i.height) for i in msg.images))

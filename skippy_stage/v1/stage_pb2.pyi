@@ -379,14 +379,26 @@ class KvPageDesc(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model_digest: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., n_tokens: _Optional[int] = ..., cache_type_k: _Optional[str] = ..., cache_type_v: _Optional[str] = ..., n_ctx: _Optional[int] = ..., batches: _Optional[int] = ...) -> None: ...
 
 class KvPage(_message.Message):
-    __slots__ = ("descriptor", "data", "token_ids")
+    __slots__ = ("descriptor", "data", "token_ids", "images")
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     descriptor: KvPageDesc
     data: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, descriptor: _Optional[_Union[KvPageDesc, _Mapping]] = ..., data: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[KvImage]
+    def __init__(self, descriptor: _Optional[_Union[KvPageDesc, _Mapping]] = ..., data: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[KvImage, _Mapping]]] = ...) -> None: ...
+
+class KvImage(_message.Message):
+    __slots__ = ("row", "width", "height")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    width: int
+    height: int
+    def __init__(self, row: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class ExportSessionRequest(_message.Message):
     __slots__ = ("session_id", "wait_for_tokens", "release", "wait_for_batches")

@@ -254,7 +254,7 @@ def test_a_session_is_cut_forked_and_kept_as_a_prefix_only_outside_its_images(qw
 def test_image_entries_that_do_not_fit_the_session_are_refused_and_nothing_leaks(qwen2vl, merger, slice_cache):
     """A slice naming an image the session never began, a grid whose rows the entry passes, a rewind
     into an image, text inside an unfinished image: refused naming the entry, and the lanes hold what
-    they held. A session with images is not exported as a KV page (its 2-D positions would be lost)."""
+    they held. A session that holds part of an image is not exported as a KV page."""
     chain = chain_of(qwen2vl, merger, "0:2/2:6", slice_cache)
     try:
         encoded, _ = prefill(chain, "s", "tok_1 <__media__> tok_2", [IMAGES["80x48"]])
@@ -278,11 +278,39 @@ def test_image_entries_that_do_not_fit_the_session_are_refused_and_nothing_leaks
                                                       r"0\.\.15 this session has not finished"):
             chain.step([Step("t", 4, [1, 2])])
         assert lanes_of(chain, "t") == [4, 4]
-        with pytest.raises(SessionStateError, match=r"holds image rows with M-RoPE positions .* which a KV page"):
-            chain.stages[1].export_session("s", 1 << 30)
+        with pytest.raises(SessionStateError, match=r"session_id='t' holds part of an image on stage stage-1"):
+            chain.stages[1].export_session("t", 1 << 30)
     finally:
         chain.close()
 
+
+
+def test_a_session_with_an_image_moves_as_a_kv_page_and_goes_on_exactly(qwen2vl, merger, slice_cache):
+    """ExportSession / ImportSession (a drain's hand-off) carry where the images are: the imported
+    session's next step gives the exporter's logits bit for bit. A page whose images pass its rows is
+    refused naming them, one that leaves them out does not match llama.cpp's cells; neither holds a lane."""
+    chain = chain_of(qwen2vl, merger, "0:2/2:6", slice_cache)
+    final = chain.stages[1]
+    stand_in = StageRuntime(final.config)
+    try:
+        encoded, first = prefill(chain, "s", PROMPTS[0], [IMAGES["80x48"]])
+        n = len(encoded.tokens)
+        page = final.export_session("s", 1 << 30)
+        assert page.images == ((encoded.media[0].start, 5, 3),)
+        assert stand_in.import_session("s", page) == n
+        (row,) = chain.head.run_batch([BatchEntry("s", np.arange(n, n + 1), token_ids=[first.token])])
+        here, there = ([*stage.run_batch([BatchEntry("s", np.arange(n, n + 1), token_ids=[first.token], hidden=row.hidden,
+                                                     want_logits=True, sample=True)])][0] for stage in (final, stand_in))
+        assert np.array_equal(here.logits, there.logits) and here.token == there.token
+        with pytest.raises(InvalidRequestError, match=rf"page\.images\[0\] at row {n - 2} \(5x3\) .* passes the page's "
+                                                      rf"{n} rows"):
+            stand_in.import_session("other", dataclasses.replace(page, images=((n - 2, 5, 3),)))
+        with pytest.raises(InvalidRequestError, match=r"page\.data \(\d+ bytes\) is not a KV state"):
+            stand_in.import_session("other", dataclasses.replace(page, images=()))
+        assert stand_in.lanes.lane_of("other") is None
+    finally:
+        stand_in.close()
+        chain.close()
 
 @pytest.mark.parametrize(("model", "message"), [
     ("smollm2", r"entries\[0\]\.image: stage stage-1's model has no M-RoPE"),
