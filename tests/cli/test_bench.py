@@ -84,6 +84,10 @@ def test_bench_writes_the_report_with_every_key(tmp_path):
     for figures in (images["encode_ms_per_image"], images["ttft_ms_one_image"]):
         assert all(v > 0 for v in figures.values())
     assert "image encode ms per image, head / one process" in run.stdout and "TTFT ms, one image" in run.stdout
+    # ... and a Qwen2-VL image's (the random-weight fixture: this is a source checkout)
+    mrope = images["mrope_encode_ms_per_image"]
+    assert mrope["grid"] == "13x8" and mrope["rows"] == 104 and mrope["head"] > 0 and mrope["single_process"] > 0
+    assert "Qwen2-VL image encode ms, head / one process" in run.stdout
     # Native MTP on the random-weight fixture (this is a source checkout): every step with the mtp
     # drafter verifies one draft; without it, one token a trip.
     mtp = report["mtp"]
@@ -206,7 +210,10 @@ IMAGES = {"stages": [[0, 10], [10, 20], [20, 30]], "image": "320x240 PPM, random
           "projector": "random weights (write_projector, seed 0)", "prompt_tokens": 30, "rounds": 5,
           "encode_ms_per_image": {"head": 0.5, "single_process": 0.4, "ratio": 0.8},
           "ttft_ms_one_image": {"pipeline": 150.0, "single_process": 120.0,
-                                "single_process_prefill_with_extra_encode": 120.4, "ratio": 0.8}}
+                                "single_process_prefill_with_extra_encode": 120.4, "ratio": 0.8},
+          "mrope_encode_ms_per_image": {"image": "200x120 PPM, random pixels", "grid": "13x8", "rows": 104,
+                                        "model": "qwen2vl-dense fixture", "head": 11.0, "single_process": 10.0,
+                                        "ratio": 10 / 11}}
 MTP = {"model": "deepseek2-moe + 1 next-n block, random weights", "random_weights": True, "stages": [[0, 3], [3, 7]],
        "tokens": 64, "rounds": 5, "mtp": {"ms_per_token": 8.0, "tokens_per_trip": 1.25},
        "none": {"ms_per_token": 5.0, "tokens_per_trip": 1.0}, "single_process_ms_per_token": 4.0,
@@ -215,7 +222,12 @@ MTP = {"model": "deepseek2-moe + 1 next-n block, random weights", "random_weight
 
 
 def test_the_images_rows_put_the_head_beside_one_process_with_the_ratio():
-    encode, ttft, note = images_lines(IMAGES)
+    encode, ttft, note, mrope, mrope_note = images_lines(IMAGES)
+    assert mrope.startswith("Qwen2-VL image encode ms, head / one process") and mrope.split()[-3:] == ["11.00", "10.00",
+                                                                                                       "0.91"]
+    assert "200x120 PPM, random pixels (13x8 grid, 104 rows)" in mrope_note
+    skipped = images_lines({**IMAGES, "mrope_encode_ms_per_image": {"skipped": "no checkout"}})
+    assert skipped[-1] == "Qwen2-VL image encode: skipped (no checkout)"
     assert encode.startswith("image encode ms per image, head / one process")
     assert encode.split()[-3:] == ["0.50", "0.40", "0.80"]
     assert ttft.startswith("TTFT ms, one image, 3 stages / one process") and ttft.split()[-3:] == ["150.00", "120.00", "0.80"]

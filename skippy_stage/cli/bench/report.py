@@ -93,6 +93,8 @@ def run(json_path: str | None = None, plan: BenchPlan | None = None) -> dict[str
             images = report["images"] = _images(model, Path(tmp), cache_dir)
             ratios["image_encode_3_stage_head"] = images["encode_ms_per_image"]["ratio"]
             ratios["image_ttft_3_stage"] = images["ttft_ms_one_image"]["ratio"]
+            if "skipped" not in images["mrope_encode_ms_per_image"]:
+                ratios["image_encode_qwen2vl_head"] = images["mrope_encode_ms_per_image"]["ratio"]
         if "mtp" in plan.sections:
             mtp = report["mtp"] = _mtp(Path(tmp), cache_dir, plan.mtp_model)
             if "skipped" not in mtp:

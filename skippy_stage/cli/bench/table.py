@@ -112,7 +112,19 @@ def images_lines(images: dict) -> list[str]:
         f"one process: prefill from empty (without the bench's extra encode; "
         f"{t['single_process_prefill_with_extra_encode']:.2f} ms with it); medians of {images['rounds']} "
         f"round{'s' if images['rounds'] != 1 else ''} (ratio column: one process over the pipeline)",
+        *mrope_lines(images.get("mrope_encode_ms_per_image")),
     ]
+
+
+def mrope_lines(mrope: dict | None) -> list[str]:
+    """The Qwen2-VL encode of the ``images`` section, or why it did not run."""
+    if mrope is None:
+        return []
+    if "skipped" in mrope:
+        return [f"Qwen2-VL image encode: skipped ({mrope['skipped']})"]
+    return [f"{'Qwen2-VL image encode ms, head / one process':44} {mrope['head']:12.2f} "
+            f"{mrope['single_process']:12.2f} {mrope['ratio']:8.2f}",
+            f"  Qwen2-VL: {mrope['image']} ({mrope['grid']} grid, {mrope['rows']} rows), {mrope['model']}"]
 
 
 def mtp_lines(mtp: dict) -> list[str]:
