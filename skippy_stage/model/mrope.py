@@ -85,9 +85,6 @@ class MropeLanes:
     def __init__(self) -> None:
         self._images: dict[int, tuple[_Image, ...]] = {}
 
-    def holds_images(self, lane: int) -> bool:
-        return bool(self._images.get(lane))
-
     def model_position(self, lane: int, row: int) -> int | None:
         """The model position a cut before ``row`` removes from; None strictly inside an image."""
         images = self._images.get(lane, ())

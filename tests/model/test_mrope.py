@@ -19,7 +19,7 @@ def test_a_lane_without_images_keeps_its_rows_as_positions():
     lanes = MropeLanes()
     assert lanes.sections(0, 5, 3, None, "entries[0]") is None
     assert lanes.model_position(0, 7) == 7
-    assert not lanes.holds_images(0)
+    assert lanes.layout(0, 5) == ()
 
 
 def test_an_image_sits_on_its_grid_at_its_first_position_and_the_text_after_it_moves_up():
@@ -34,7 +34,8 @@ def test_an_image_sits_on_its_grid_at_its_first_position_and_the_text_after_it_m
     text = lanes.sections(2, 19, 3, None, "entries[0]")
     assert text.tolist() == [[9, 10, 11], [9, 10, 11], [9, 10, 11], [0, 0, 0]]
     assert [lanes.model_position(2, row) for row in (0, 4, 5, 18, 19, 25)] == [0, 4, None, None, 9, 15]
-    assert lanes.holds_images(2) and not lanes.holds_images(1)
+    assert lanes.layout(2, 25) == ((4, 5, 3),) and lanes.layout(1, 25) == ()
+    assert lanes.layout(2, 10) is None  # a page of 10 rows would hold part of the image
 
 
 def test_an_image_in_slices_continues_on_its_grid_and_a_second_image_starts_after_the_first():
@@ -74,11 +75,11 @@ def test_a_cut_keeps_the_images_before_it_a_copy_takes_them_along_and_a_reset_fo
     assert lanes.model_position(0, 14) == 8 and lanes.model_position(0, 16) == 10  # the second image gone
     assert lanes.model_position(1, 16) is None and lanes.model_position(1, 18) == 10  # the copy kept both
     lanes.cut(1, 2)
-    assert not lanes.holds_images(1)
+    assert lanes.layout(1, 2) == ()
     lanes.forget(0)
     assert lanes.model_position(0, 14) == 14
     lanes.copy(3, 0)  # a copy of a lane without images leaves none
-    assert not lanes.holds_images(0)
+    assert lanes.layout(0, 16) == ()
 
 
 @pytest.mark.parametrize(("grid", "n", "message"), [
